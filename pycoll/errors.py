@@ -1,0 +1,39 @@
+"""Exceptions that pycoll raises: part of the interface, so each names what went wrong where.
+
+Every communication error carries the collective, its sequence number, this rank and the
+peer involved, so a user reading one rank's log knows which rank to look at next.
+"""
+
+from __future__ import annotations
+
+
+class PycollError(RuntimeError):
+    """Base class of every error pycoll raises after validation (DistBackendError-like)."""
+
+
+class CommError(PycollError):
+    """A transfer failed; the process group is unusable afterwards (as Gloo's context)."""
+
+    def __init__(self, msg: str, *, op: str = "", seq: int = -1, rank: int = -1, peer: int = -1):
+        super().__init__(msg)
+        self.op, self.seq, self.rank, self.peer = op, seq, rank, peer
+
+
+class CommTimeoutError(CommError, TimeoutError):
+    """A blocking wait passed its deadline."""
+
+
+class PeerClosedError(CommError, ConnectionError):
+    """A peer closed its connection or died (EOF, reset, dead pid)."""
+
+
+class MismatchError(CommError):
+    """Ranks disagree on the collective, its size, dtype, reduce op or root."""
+
+
+class ProtocolError(CommError):
+    """A peer sent bytes that are not a valid pycoll frame."""
+
+
+class AuthenticationError(PycollError):
+    """A connection could not prove it belongs to this process group."""

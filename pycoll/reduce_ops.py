@@ -1,0 +1,123 @@
+"""Reduction kernels: in-place, vectorised torch ops, chosen once per collective.
+
+Each kernel is ``kernel(dst, src)`` meaning ``dst = dst op src`` on equal-length 1-D tensors;
+torch runs these in C++ without the GIL, so the hot path does no per-element Python work.
+``ReduceOp.AVG`` reduces as SUM and divides at the end; ``PREMUL_SUM`` multiplies the local
+contribution by its factor first. Unsupported (op, dtype) pairs raise ValueError up front,
+before any communication.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+INTEGER = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
+FLOATING = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+COMPLEX = {torch.complex64, torch.complex128}
+SUPPORTED_DTYPES = INTEGER | FLOATING | COMPLEX | {torch.bool}
+
+Kernel = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _sum(d, s):
+    d.add_(s)
+
+
+def _prod(d, s):
+    d.mul_(s)
+
+
+def _min(d, s):
+    torch.minimum(d, s, out=d)
+
+
+def _max(d, s):
+    torch.maximum(d, s, out=d)
+
+
+def _band(d, s):
+    d.bitwise_and_(s)
+
+
+def _bor(d, s):
+    d.bitwise_or_(s)
+
+
+def _bxor(d, s):
+    d.bitwise_xor_(s)
+
+
+# bool: SUM saturates (logical or) and PRODUCT is logical and, as Gloo does for bool.
+_BOOL = {"sum": _bor, "product": _band, "min": _band, "max": _bor,
+         "band": _band, "bor": _bor, "bxor": _bxor}
+_ARITH = {"sum": _sum, "product": _prod, "avg": _sum, "premul_sum": _sum}
+_ORDERED = {"min": _min, "max": _max}
+_BITWISE = {"band": _band, "bor": _bor, "bxor": _bxor}
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """A reduce op bound to a dtype and world size: the kernel plus pre/post scaling."""
+
+    name: str
+    kernel: Kernel
+    factor: float | None = None  # PREMUL_SUM factor applied to local input
+    divisor: int = 1             # AVG: divide the result by the world size
+
+    def prepare(self, t: torch.Tensor) -> None:
+        """Scale a working copy of the local contribution in place (PREMUL_SUM)."""
+        if self.factor is not None:
+            t.mul_(self.factor)
+
+    def finish(self, t: torch.Tensor) -> None:
+        """Turn the reduced sum into the op's result in place (AVG)."""
+        if self.divisor != 1:
+            if t.is_floating_point() or t.is_complex():
+                t.div_(self.divisor)
+            else:
+                t.copy_(torch.div(t, self.divisor, rounding_mode="trunc"))
+
+
+def op_name(op) -> str:
+    """Normalise a c10d ReduceOp (or RedOpType, or string) to a lower-case name."""
+    if isinstance(op, str):
+        return op.lower()
+    inner = getattr(op, "op", None)
+    target = inner if inner is not None else op
+    return str(getattr(target, "name", target)).split(".")[-1].lower()
+
+
+def op_factor(op) -> float | None:
+    """The PREMUL_SUM factor carried by a c10d ReduceOp, as a Python float."""
+    f = getattr(op, "factor", None) if not isinstance(op, str) else None
+    if f is None:
+        return None
+    if isinstance(f, torch.Tensor):
+        if f.numel() != 1:
+            raise ValueError("PREMUL_SUM factor must be a scalar")
+        return f.item()
+    return float(f)
+
+
+def make_reduction(op, dtype: torch.dtype, world_size: int) -> Reduction:
+    """Bind ``op`` to ``dtype``; raises ValueError if the op is undefined for the dtype."""
+    name = op_name(op)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"pycoll does not support dtype {dtype}")
+    if dtype is torch.bool:
+        table = _BOOL
+    elif dtype in COMPLEX:
+        table = _ARITH
+    elif dtype in FLOATING:
+        table = {**_ARITH, **_ORDERED}
+    else:
+        table = {**_ARITH, **_ORDERED, **_BITWISE}
+    if name not in table:
+        raise ValueError(f"ReduceOp.{name.upper()} is not defined for dtype {dtype}")
+    factor = op_factor(op) if name == "premul_sum" else None
+    if name == "premul_sum" and factor is None:
+        raise ValueError("ReduceOp.PREMUL_SUM needs a factor (torch.distributed._make_nccl_premul_sum)")
+    return Reduction(name, table[name], factor, world_size if name == "avg" else 1)

@@ -1,0 +1,87 @@
+"""Frame headers on the wire, sans-I/O: encode to bytes, decode from bytes, nothing else.
+
+A frame is ``<u32 header length> <msgpack header> <payload>``. The header says what the
+payload is: which collective (and its sequence number, dtype, element count, reduce op and
+root, so that ranks calling different collectives detect it from the first header), which
+step and segment of the schedule, and how many payload bytes follow. The payload is raw
+tensor memory: nothing from the wire is ever unpickled.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import msgpack
+
+from .errors import ProtocolError
+
+MAGIC = 0x7C01  # protocol version 1
+PREFIX = struct.Struct("<I")
+MAX_HEADER_BYTES = 512
+
+# Frame kinds
+DATA = 0
+ABORT = 1
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    """What a collective call is; every rank of one call must agree on all of it."""
+
+    op: str
+    seq: int
+    dtype: str
+    numel: int
+    redop: str = ""
+    root: int = -1
+
+    def describe(self) -> str:
+        extra = "".join(
+            [f", op={self.redop}" if self.redop else "", f", root={self.root}" if self.root >= 0 else ""]
+        )
+        return f"{self.op}(seq={self.seq}, dtype={self.dtype}, numel={self.numel}{extra})"
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    kind: int
+    sig: Signature
+    step: int
+    seg: int
+    nbytes: int
+
+    def encode(self) -> bytes:
+        s = self.sig
+        body = msgpack.packb(
+            [MAGIC, self.kind, s.op, s.seq, s.dtype, s.numel, s.redop, s.root,
+             self.step, self.seg, self.nbytes],
+            use_bin_type=True,
+        )
+        return PREFIX.pack(len(body)) + body
+
+
+def header_length(prefix: bytes | memoryview) -> int:
+    """Length of the header that follows a 4-byte prefix; rejects absurd lengths."""
+    (n,) = PREFIX.unpack(prefix)
+    if n == 0 or n > MAX_HEADER_BYTES:
+        raise ProtocolError(f"invalid frame header length {n} (max {MAX_HEADER_BYTES})")
+    return n
+
+
+def decode_header(body: bytes | memoryview) -> Header:
+    """Parse a header body; any malformed input raises ProtocolError, never anything else."""
+    try:
+        fields = msgpack.unpackb(body, raw=False, strict_map_key=True, max_bin_len=0,
+                                 max_array_len=16, max_map_len=0, max_str_len=64)
+    except Exception as exc:  # msgpack raises several types for garbage
+        raise ProtocolError(f"undecodable frame header: {exc}") from None
+    if not isinstance(fields, list) or len(fields) != 11 or fields[0] != MAGIC:
+        raise ProtocolError(f"not a pycoll frame header: {fields!r:.80}")
+    _, kind, op, seq, dtype, numel, redop, root, step, seg, nbytes = fields
+    ints = (kind, seq, numel, root, step, seg, nbytes)
+    if not all(type(v) is int for v in ints) or not all(type(v) is str for v in (op, dtype, redop)):
+        raise ProtocolError(f"ill-typed frame header: {fields!r:.80}")
+    if nbytes < 0 or numel < 0:
+        raise ProtocolError(f"negative size in frame header: {fields!r:.80}")
+    return Header(kind, Signature(op, seq, dtype, numel, redop, root), step, seg, nbytes)

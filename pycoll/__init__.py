@@ -1,0 +1,36 @@
+"""pycoll: a collective-communication backend for torch.distributed, written in Python.
+
+``import pycoll`` registers the backend ``"pycoll"``::
+
+    import torch.distributed as dist
+    import pycoll
+    dist.init_process_group(backend="pycoll")
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .errors import (AuthenticationError, CommError, CommTimeoutError, MismatchError,
+                     PeerClosedError, ProtocolError, PycollError)
+from .torch_backend import ProcessGroupPycoll, create
+
+__version__ = "0.1.0"
+BACKEND_NAME = "pycoll"
+
+
+def _register() -> None:
+    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND_NAME, create, devices=["cpu"])
+
+
+def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):
+    """gloo's monitored_barrier for pycoll groups (torch's own wrapper only accepts gloo)."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
+
+
+_register()
+
+__all__ = ["ProcessGroupPycoll", "PycollError", "CommError", "CommTimeoutError", "PeerClosedError",
+           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "BACKEND_NAME"]

@@ -1,0 +1,145 @@
+"""A communicator: one group's ranks, transports, tuner, executor and ordered op queue.
+
+Operations run one at a time, in the order they were issued, which is also the order of
+their sequence numbers (every rank issues the same collectives in the same order, so a
+sequence number names one collective on every rank). Asynchronous ops are run by the
+group's worker thread; a synchronous op (or a ``wait``) runs the queue up to itself in
+the calling thread, so the common blocking call pays no thread handoff.
+
+The first communication error (timeout, dead peer, mismatch) breaks the group, as in
+Gloo: the transport is aborted so that peers fail fast too, every queued and later op
+fails with an error that points at the original one.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+from . import algorithms
+from .errors import CommError, PycollError
+from .executor import DEFAULT_SEGMENT_BYTES, Executor
+from .p2p import P2PEngine
+from .transport.tcp import TcpTransport
+from .transport.tcp_mesh import build_mesh
+from .tuning import Tuner
+from .work import Work
+
+log = logging.getLogger("pycoll")
+
+Task = Callable[[int, float], None]  # fn(seq, deadline)
+
+
+@functools.lru_cache(maxsize=1024)
+def cached_schedule(collective: str, algo: str, rank: int, world: int, *args):
+    """Schedules are pure functions of their arguments, so they are built once and reused."""
+    return algorithms.get(collective, algo)(rank, world, *args)
+
+
+class Communicator:
+    def __init__(self, store, rank: int, world: int, timeout: float, *,
+                 algo_overrides: dict[str, str] | None = None) -> None:
+        self.rank, self.world, self.timeout = rank, world, timeout
+        transport = os.environ.get("PYCOLL_TRANSPORT", "auto").lower()
+        if transport not in ("auto", "tcp"):
+            raise ValueError(f"PYCOLL_TRANSPORT={transport!r}: this build supports 'auto' and 'tcp'")
+        coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
+        self.transport = TcpTransport(rank, world, coll_socks)
+        self.p2p = P2PEngine(rank, world, p2p_socks)
+        seg = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
+        self.executor = Executor(self.transport, seg)
+        self.tuner = Tuner(world, algo_overrides)
+        self.error: BaseException | None = None
+        self._seq = 0
+        self._queue: deque[tuple[Work, Task]] = deque()
+        self._cv = threading.Condition()
+        self._running = False
+        self._closed = False
+        self._worker = threading.Thread(target=self._work_loop, name=f"pycoll-worker-{rank}", daemon=True)
+        self._worker.start()
+
+    # -- submission and execution -----------------------------------------------------
+    def submit(self, op: str, outputs: list, task: Task, inline: bool) -> Work:
+        with self._cv:
+            if self._closed:
+                raise PycollError(f"{op}: process group has been destroyed")
+            work = Work(op, self._seq, outputs, driver=self._drive)
+            self._seq += 1
+            self._queue.append((work, task))
+            if not inline:
+                self._cv.notify_all()
+        if inline:
+            self._drive(work)
+        return work
+
+    def _drive(self, until: Work | None) -> None:
+        """Run queued ops in order in this thread, up to and including ``until``."""
+        while True:
+            with self._cv:
+                while self._running:
+                    if until is not None and until.is_completed():
+                        return
+                    self._cv.wait()
+                if (until is not None and until.is_completed()) or not self._queue:
+                    return
+                work, task = self._queue.popleft()
+                self._running = True
+            try:
+                self._run(work, task)
+            finally:
+                with self._cv:
+                    self._running = False
+                    self._cv.notify_all()
+            if work is until:
+                return
+
+    def _run(self, work: Work, task: Task) -> None:
+        if self.error is not None:
+            work.complete(PycollError(f"{work.op} seq {work.seq}: process group is unusable after "
+                                      f"an earlier error: {self.error}"))
+            return
+        deadline = time.monotonic() + self.timeout
+        try:
+            task(work.seq, deadline)
+        except CommError as exc:
+            self.error = exc
+            self.transport.abort(str(exc))
+            log.error("pycoll rank %d: %s", self.rank, exc)
+            work.complete(exc)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            work.complete(exc)
+        else:
+            work.complete()
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._queue:
+                    return
+            self._drive(None)
+
+    def run_schedule(self, collective: str, nbytes: int, args: tuple, bufs: dict, sig,
+                     reduction, deadline: float) -> None:
+        algo = self.tuner.choose(collective, nbytes)
+        sched = cached_schedule(collective, algo, self.rank, self.world, *args)
+        self.executor.run(sched, bufs, sig, reduction, deadline)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def shutdown(self, abort: bool = False) -> None:
+        """Finish (or, with ``abort``, fail) queued ops, then release sockets and threads."""
+        if abort:
+            self.transport.abort("aborted by the user")
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if threading.current_thread() is not self._worker:
+            self._worker.join(self.timeout if not abort else 5)
+        self.p2p.close()
+        self.transport.close()

@@ -1,0 +1,68 @@
+"""What ranks exchange through the c10d Store at init: secrets, addresses, host identity.
+
+The Store handed to the backend is the only side channel: no private server, no files.
+Keys live under the group's prefix store, so groups and jobs cannot collide.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+
+
+def group_secret(store, rank: int) -> bytes:
+    """A 32-byte secret drawn by rank 0 and read by every other rank (blocks until set)."""
+    if rank == 0:
+        secret = secrets.token_bytes(32)
+        store.set("pycoll/secret", secret.hex())
+        return secret
+    return bytes.fromhex(store.get("pycoll/secret").decode())
+
+
+def local_address() -> str:
+    """The address this rank listens on.
+
+    PYCOLL_SOCKET_ADDR wins, then the address of PYCOLL_SOCKET_IFNAME, then the local
+    address of the route to MASTER_ADDR (no packet is sent), then loopback.
+    """
+    addr = os.environ.get("PYCOLL_SOCKET_ADDR")
+    if addr:
+        return addr
+    ifname = os.environ.get("PYCOLL_SOCKET_IFNAME")
+    if ifname:
+        from .transport.tcp_mesh import interface_address
+
+        return interface_address(ifname)
+    master = os.environ.get("MASTER_ADDR")
+    if master and master not in ("localhost", "127.0.0.1", "::1"):
+        try:
+            info = socket.getaddrinfo(master, 1, type=socket.SOCK_DGRAM)[0]
+            s = socket.socket(info[0], socket.SOCK_DGRAM)
+            try:
+                s.connect(info[4])
+                return s.getsockname()[0]
+            finally:
+                s.close()
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+def host_identity() -> str:
+    """Which host this rank runs on: hostname + boot id (PYCOLL_HOST_ID overrides, for tests)."""
+    override = os.environ.get("PYCOLL_HOST_ID")
+    if override:
+        return override
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def exchange_all(store, key: str, rank: int, world: int, value: str) -> list[str]:
+    """Every rank publishes ``value``; returns all ranks' values in rank order."""
+    store.set(f"{key}/{rank}", value)
+    return [value if r == rank else store.get(f"{key}/{r}").decode() for r in range(world)]

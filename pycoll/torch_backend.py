@@ -1,0 +1,391 @@
+"""The c10d backend: torch.distributed's ProcessGroup surface on top of a Communicator.
+
+Thin on purpose: every method validates its arguments before any I/O (dtype, device,
+layout, list lengths, sizes, roots, ops), reshapes to flat contiguous tensors, submits a
+task to the group's communicator and returns a Work. Whatever a rank can check alone is
+checked here; what needs the other ranks (sizes, ops, roots agreeing) travels in the
+frame headers and is checked by the transport.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import collectives as C
+from .executor import byte_view
+from .group import Communicator
+from .p2p import ANY
+from .reduce_ops import make_reduction
+from .validation import check_root, check_tensor, check_tensors, flat, flat_out, same_dtype
+from .work import Work, completed
+
+MONITORED_BARRIER_TAG = -(1 << 40)
+
+
+class ProcessGroupPycoll(dist.ProcessGroup):
+    def __init__(self, store, rank: int, size: int, timeout: timedelta) -> None:
+        super().__init__(rank, size)
+        self._rank, self._size = rank, size
+        self._timeout = timeout
+        self._comm = Communicator(store, rank, size, timeout.total_seconds())
+        self._mb_count = 0
+
+    # -- identity ----------------------------------------------------------------------
+    def getBackendName(self) -> str:
+        return "pycoll"
+
+    @property
+    def name(self) -> str:
+        return "pycoll"
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def __repr__(self) -> str:
+        return f"ProcessGroupPycoll(rank={self._rank}, size={self._size})"
+
+    def _submit(self, op: str, outputs: list, task, opts=None) -> Work:
+        inline = not getattr(opts, "asyncOp", True)
+        return self._comm.submit(op, outputs, task, inline)
+
+    # -- reductions ----------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        opts = opts or dist.AllreduceOptions()
+        (t,) = check_tensors(tensors, "allreduce", exactly=1)
+        red = make_reduction(opts.reduceOp, t.dtype, self._size)
+        f, back = flat(t)
+
+        def task(seq, deadline):
+            C.all_reduce(self._comm, f, red, seq, deadline)
+            back()
+        return self._submit("all_reduce", [t], task, opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        opts = opts or dist.AllreduceCoalescedOptions()
+        ts = check_tensors(tensors, "allreduce_coalesced")
+        dtype = same_dtype(ts, "allreduce_coalesced")
+        red = make_reduction(opts.reduceOp, dtype, self._size)
+
+        def task(seq, deadline):
+            buf = torch.cat([t.reshape(-1) for t in ts]) if ts else torch.empty(0, dtype=dtype)
+            C.all_reduce(self._comm, buf, red, seq, deadline)
+            offset = 0
+            for t in ts:
+                t.copy_(buf[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+        return self._submit("all_reduce", list(ts), task, opts)
+
+    def reduce(self, tensors, opts=None):
+        opts = opts or dist.ReduceOptions()
+        (t,) = check_tensors(tensors, "reduce", exactly=1)
+        root = check_root(opts.rootRank, self._size, "reduce")
+        red = make_reduction(opts.reduceOp, t.dtype, self._size)
+        f, back = flat(t)
+
+        def task(seq, deadline):
+            C.reduce(self._comm, f, root, red, seq, deadline)
+            back()
+        return self._submit("reduce", [t], task, opts)
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        (out,) = check_tensors(output_tensors, "reduce_scatter output", exactly=1)
+        if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
+            raise ValueError(f"reduce_scatter: input list must hold {self._size} tensors (one per rank)")
+        ins = check_tensors(input_tensors[0], "reduce_scatter input")
+        same_dtype([out, *ins], "reduce_scatter")
+        if ins[self._rank].numel() != out.numel():
+            raise ValueError(f"reduce_scatter: output has {out.numel()} elements but input "
+                             f"{self._rank} has {ins[self._rank].numel()}")
+        red = make_reduction(opts.reduceOp, out.dtype, self._size)
+        counts = tuple(x.numel() for x in ins)
+        o, back = flat_out(out)
+
+        def task(seq, deadline):
+            inp = torch.cat([x.reshape(-1) for x in ins])
+            C.reduce_scatter(self._comm, o, inp, counts, red, seq, deadline)
+            back()
+        return self._submit("reduce_scatter", [out], task, opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        out, inp = check_tensor(output, "reduce_scatter output"), check_tensor(input, "reduce_scatter input")
+        same_dtype([out, inp], "reduce_scatter_tensor")
+        if inp.numel() != out.numel() * self._size:
+            raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
+                             f"output size x world size = {out.numel() * self._size}")
+        red = make_reduction(opts.reduceOp, out.dtype, self._size)
+        o, back = flat_out(out)
+        i, _ = flat(inp)
+        counts = (out.numel(),) * self._size
+
+        def task(seq, deadline):
+            C.reduce_scatter(self._comm, o, i, counts, red, seq, deadline)
+            back()
+        return self._submit("reduce_scatter", [out], task, opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesced(self.reduce_scatter_single, outputs, inputs, opts)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    # -- data movement -------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        opts = opts or dist.BroadcastOptions()
+        (t,) = check_tensors(tensors, "broadcast", exactly=1)
+        root = check_root(opts.rootRank, self._size, "broadcast")
+        f, back = flat(t)
+
+        def task(seq, deadline):
+            C.broadcast(self._comm, f, root, seq, deadline)
+            back()
+        return self._submit("broadcast", [t], task, opts)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        (inp,) = check_tensors(input_tensors, "allgather input", exactly=1)
+        if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
+            raise ValueError(f"allgather: output list must hold {self._size} tensors (one per rank)")
+        outs = check_tensors(output_tensors[0], "allgather output")
+        self._check_parts(outs, inp, "allgather")
+        i, _ = flat(inp)
+
+        def task(seq, deadline):
+            buf = torch.empty(inp.numel() * self._size, dtype=inp.dtype)
+            C.all_gather(self._comm, buf, i, seq, deadline)
+            for r, o in enumerate(outs):
+                o.copy_(buf[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
+        return self._submit("all_gather", outs, task, opts)
+
+    def all_gather_single(self, output, input, opts=None):
+        out, inp = check_tensor(output, "all_gather output"), check_tensor(input, "all_gather input")
+        same_dtype([out, inp], "all_gather_into_tensor")
+        if out.numel() != inp.numel() * self._size:
+            raise ValueError(f"all_gather_into_tensor: output has {out.numel()} elements, expected "
+                             f"input size x world size = {inp.numel() * self._size}")
+        o, back = flat_out(out)
+        i, _ = flat(inp)
+
+        def task(seq, deadline):
+            C.all_gather(self._comm, o, i, seq, deadline)
+            back()
+        return self._submit("all_gather", [out], task, opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self._coalesced(self.all_gather_single, outputs, inputs, opts)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        ins = check_tensors(input_list, "allgather_coalesced input")
+        dtype = same_dtype(ins, "allgather_coalesced")
+        if len(output_lists) != self._size or any(len(o) != len(ins) for o in output_lists):
+            raise ValueError(f"allgather_coalesced: output must be {self._size} lists of {len(ins)} tensors")
+        for outs in output_lists:
+            for o, i in zip(check_tensors(outs, "allgather_coalesced output"), ins):
+                self._check_parts([o], i, "allgather_coalesced")
+        n = sum(t.numel() for t in ins)
+
+        def task(seq, deadline):
+            send = torch.cat([t.reshape(-1) for t in ins]) if ins else torch.empty(0, dtype=dtype)
+            buf = torch.empty(n * self._size, dtype=dtype)
+            C.all_gather(self._comm, buf, send, seq, deadline)
+            for r, outs in enumerate(output_lists):
+                off = r * n
+                for o in outs:
+                    o.copy_(buf[off:off + o.numel()].view_as(o))
+                    off += o.numel()
+        return self._submit("all_gather", [o for outs in output_lists for o in outs], task, opts)
+
+    def gather(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.GatherOptions()
+        (inp,) = check_tensors(input_tensors, "gather input", exactly=1)
+        root = check_root(opts.rootRank, self._size, "gather")
+        outs = []
+        if self._rank == root:
+            if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
+                raise ValueError(f"gather: the root's output list must hold {self._size} tensors")
+            outs = check_tensors(output_tensors[0], "gather output")
+            self._check_parts(outs, inp, "gather")
+        elif output_tensors and any(output_tensors):
+            raise ValueError("gather: non-root ranks must not pass output tensors")
+        i, _ = flat(inp)
+
+        def task(seq, deadline):
+            buf = torch.empty(inp.numel() * self._size, dtype=inp.dtype) if outs else None
+            C.gather(self._comm, buf, i, root, seq, deadline)
+            for r, o in enumerate(outs):
+                o.copy_(buf[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
+        return self._submit("gather", outs, task, opts)
+
+    def scatter(self, output_tensors, input_tensors, opts=None):
+        opts = opts or dist.ScatterOptions()
+        (out,) = check_tensors(output_tensors, "scatter output", exactly=1)
+        root = check_root(opts.rootRank, self._size, "scatter")
+        ins = []
+        if self._rank == root:
+            if len(input_tensors) != 1 or len(input_tensors[0]) != self._size:
+                raise ValueError(f"scatter: the root's input list must hold {self._size} tensors")
+            ins = check_tensors(input_tensors[0], "scatter input")
+            self._check_parts(ins, out, "scatter")
+        elif input_tensors and any(input_tensors):
+            raise ValueError("scatter: non-root ranks must not pass input tensors")
+        o, back = flat_out(out)
+
+        def task(seq, deadline):
+            buf = torch.cat([x.reshape(-1) for x in ins]) if ins else None
+            C.scatter(self._comm, o, buf, root, seq, deadline)
+            back()
+        return self._submit("scatter", [out], task, opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        outs = check_tensors(output_tensors, "alltoall output")
+        ins = check_tensors(input_tensors, "alltoall input")
+        if len(outs) != self._size or len(ins) != self._size:
+            raise ValueError(f"alltoall: input and output lists must hold {self._size} tensors each")
+        dtype = same_dtype([*outs, *ins], "alltoall")
+        send_counts = tuple(t.numel() for t in ins)
+        recv_counts = tuple(t.numel() for t in outs)
+
+        def task(seq, deadline):
+            send = torch.cat([t.reshape(-1) for t in ins])
+            recv = torch.empty(sum(recv_counts), dtype=dtype)
+            C.all_to_all(self._comm, recv, send, send_counts, recv_counts, seq, deadline)
+            off = 0
+            for o in outs:
+                o.copy_(recv[off:off + o.numel()].view_as(o))
+                off += o.numel()
+        return self._submit("all_to_all", outs, task, opts)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        out, inp = check_tensor(output, "all_to_all output"), check_tensor(input, "all_to_all input")
+        same_dtype([out, inp], "all_to_all_single")
+        send_counts = _split_counts(inp, input_split_sizes, self._size, "input")
+        recv_counts = _split_counts(out, output_split_sizes, self._size, "output")
+        o, back = flat_out(out)
+        i, _ = flat(inp)
+
+        def task(seq, deadline):
+            C.all_to_all(self._comm, o, i, send_counts, recv_counts, seq, deadline)
+            back()
+        return self._submit("all_to_all", [out], task, opts)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None):
+        return self._submit("barrier", [], functools.partial(C.barrier, self._comm), opts)
+
+    # -- point to point ------------------------------------------------------------------
+    def send(self, tensors, dst_rank: int, tag: int = 0):
+        (t,) = check_tensors(tensors, "send", exactly=1)
+        peer = self._check_peer(dst_rank, "send")
+        f, _ = flat(t)
+        return self._p2p("send", peer, tag, t, f, None)
+
+    def recv(self, tensors, src_rank: int, tag: int = 0):
+        (t,) = check_tensors(tensors, "recv", exactly=1)
+        peer = self._check_peer(src_rank, "recv")
+        f, back = flat_out(t)
+        return self._p2p("recv", peer, tag, t, f, back)
+
+    def recv_anysource(self, tensors, tag: int = 0):
+        (t,) = check_tensors(tensors, "recv", exactly=1)
+        f, back = flat_out(t)
+        return self._p2p("recv", ANY, tag, t, f, back)
+
+    def _p2p(self, op, peer, tag, t, f, back) -> Work:
+        work = Work(op, tag, [t])
+        eng, deadline = self._comm.p2p, self._deadline()
+        mv = byte_view(f)
+        name = C.dtype_name(f.dtype)
+        req = (eng.isend if op == "send" else eng.irecv)(peer, tag, mv, name, f.numel(), deadline)
+
+        def done(r):
+            if r.error is None and back is not None:
+                back()
+            work._source = r.source
+            work.complete(r.error)
+        req.callbacks.append(done)
+        if req.done.is_set():
+            done(req)
+        return work
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
+        """Gloo's monitored barrier: rank 0 names every rank that did not arrive in time.
+
+        It runs on the point-to-point channel, so a failed monitored barrier does not
+        break the group. torch's ``dist.monitored_barrier`` only accepts gloo; call this
+        as ``pycoll.monitored_barrier(group, timeout, wait_all_ranks)``.
+        """
+        from .monitored import monitored_barrier
+
+        self._mb_count += 1
+        tag = MONITORED_BARRIER_TAG - self._mb_count
+        return monitored_barrier(self, tag, timeout or self._timeout, wait_all_ranks)
+
+    # -- lifecycle -----------------------------------------------------------------------
+    def shutdown(self) -> None:
+        self._comm.shutdown()
+
+    def abort(self) -> None:
+        self._comm.shutdown(abort=True)
+
+    # -- helpers -------------------------------------------------------------------------
+    def _deadline(self) -> float:
+        return time.monotonic() + self._timeout.total_seconds()
+
+    def _check_peer(self, peer: int, op: str) -> int:
+        if not isinstance(peer, int) or not 0 <= peer < self._size:
+            raise ValueError(f"{op}: peer rank {peer} is out of range for a group of size {self._size}")
+        if peer == self._rank:
+            raise ValueError(f"{op}: rank {peer} cannot {op} to itself")
+        return peer
+
+    def _check_parts(self, parts, ref, op: str) -> None:
+        for p in parts:
+            if p.dtype != ref.dtype:
+                raise TypeError(f"{op}: dtype {p.dtype} does not match {ref.dtype}")
+            if p.numel() != ref.numel():
+                raise ValueError(f"{op}: tensor of {p.numel()} elements where {ref.numel()} were expected")
+
+    def _coalesced(self, fn, outputs, inputs, opts) -> Work:
+        if len(outputs) != len(inputs):
+            raise ValueError("coalesced collective: output and input lists differ in length")
+        works = [fn(o, i, opts) for o, i in zip(outputs, inputs)]
+        if not works:
+            return completed("coalesced", [])
+        return works[-1]  # ops complete in issue order, so the last one finishing covers all
+
+
+def _split_counts(t: torch.Tensor, splits, world: int, what: str) -> tuple[int, ...]:
+    if t.dim() == 0:
+        raise ValueError(f"all_to_all_single: {what} must have at least one dimension")
+    row = t.numel() // t.size(0) if t.size(0) else 0
+    if not splits:
+        if t.size(0) % world:
+            raise ValueError(f"all_to_all_single: {what} dim 0 ({t.size(0)}) is not divisible by the "
+                             f"world size {world}; pass split sizes")
+        return (t.size(0) // world * row,) * world
+    splits = list(splits)
+    if len(splits) != world or any(s < 0 for s in splits):
+        raise ValueError(f"all_to_all_single: {what} split sizes must be {world} non-negative ints")
+    if sum(splits) != t.size(0):
+        raise ValueError(f"all_to_all_single: {what} split sizes sum to {sum(splits)} but dim 0 is {t.size(0)}")
+    return tuple(s * row for s in splits)
+
+
+def create(store, rank: int, size: int, timeout: timedelta) -> ProcessGroupPycoll:
+    """The creator function torch.distributed calls for backend="pycoll"."""
+    return ProcessGroupPycoll(store, rank, size, timeout)
+

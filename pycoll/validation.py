@@ -1,0 +1,71 @@
+"""Argument checks that run before any communication, with gloo's exception types or clearer.
+
+Also the reshaping every collective needs: a flat contiguous view of a tensor, or, for a
+non-contiguous tensor, a contiguous copy plus the function that writes results back (gloo
+rejects such tensors; handling them costs one copy and no surprise).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .reduce_ops import SUPPORTED_DTYPES
+
+CUDA_HINT = ("CUDA tensors need pycoll's CUDA support: install the extra with "
+             "`pip install pycoll[cuda]` (CuPy)")
+
+
+def check_tensor(t, what: str) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{what}: {t.layout} tensors are not supported (only dense, strided tensors)")
+    if t.device.type == "cuda":
+        raise RuntimeError(f"{what}: {CUDA_HINT}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: tensors on device {t.device} are not supported (cpu only)")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{what}: dtype {t.dtype} is not supported")
+    return t
+
+
+def check_tensors(ts, what: str, exactly: int | None = None) -> list[torch.Tensor]:
+    ts = list(ts)
+    if exactly is not None and len(ts) != exactly:
+        raise ValueError(f"{what}: expected {exactly} tensor(s) per call, got {len(ts)}")
+    return [check_tensor(t, what) for t in ts]
+
+
+def same_dtype(ts: list[torch.Tensor], what: str) -> torch.dtype | None:
+    dtypes = {t.dtype for t in ts}
+    if len(dtypes) > 1:
+        raise TypeError(f"{what}: tensors must share one dtype, got {sorted(map(str, dtypes))}")
+    return ts[0].dtype if ts else None
+
+
+def check_root(root: int, world: int, what: str) -> int:
+    if not 0 <= root < world:
+        raise ValueError(f"{what}: root rank {root} is out of range for a group of size {world}")
+    return root
+
+
+def _noop() -> None:
+    pass
+
+
+def flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A flat contiguous tensor holding ``t``'s data, and a write-back for in-place results."""
+    if t.is_contiguous():
+        return t.view(-1), _noop
+    work = t.contiguous().view(-1)
+    return work, lambda: t.copy_(work.view_as(t))
+
+
+def flat_out(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+    """Like ``flat`` for an output-only tensor: no copy of the old contents is needed."""
+    if t.is_contiguous():
+        return t.view(-1), _noop
+    work = torch.empty(t.numel(), dtype=t.dtype)
+    return work, lambda: t.copy_(work.view(t.shape))

@@ -1,0 +1,88 @@
+"""One rank of the torch.distributed side of the benchmark (started by tools/bench.py).
+
+The rank joins the launcher's TCPStore, makes a gloo default group (used only to agree on which
+backends are healthy, never timed), then one group per backend under test with
+``dist.new_group(backend=...)``, runs the shared sweep and writes its per-rank record file.
+
+    python -m tools.bench_worker --rank R --world-size N --store HOST:PORT --config C --out F
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tools.bench_backends import TorchApi
+from tools.bench_harness import Progress, run_sweep, sweep_plan
+
+
+def _agree(flags: list) -> list:
+    # Default (gloo) group: not one of the groups under test, so it cannot skew their figures.
+    t = torch.tensor([int(bool(f)) for f in flags], dtype=torch.int32)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return [bool(v) for v in t.tolist()]
+
+
+def _open_groups(backends: list[str], timeout: timedelta) -> tuple[dict, dict]:
+    """(groups, notes). A backend is used only if it works on every rank."""
+    notes: dict[str, str] = {}
+    for b in backends:
+        if b == "pycoll":
+            try:
+                importlib.import_module("pycoll")  # importing registers the backend
+            except Exception as e:  # noqa: BLE001 - report any import failure, keep going
+                notes[b] = f"import pycoll failed: {type(e).__name__}: {e}"
+    usable = [b for b, ok in zip(backends, _agree([b not in notes for b in backends])) if ok]
+    for b in backends:
+        if b not in usable and b not in notes:
+            notes[b] = "unavailable on another rank"
+    groups = {}
+    for b in usable:  # same order on every rank: new_group is collective
+        try:
+            groups[b] = dist.new_group(backend=b, timeout=timeout)
+        except Exception as e:  # noqa: BLE001
+            notes[b] = f"new_group(backend={b!r}) failed: {type(e).__name__}: {e}"
+    ok = _agree([b in groups for b in usable])
+    for b, good in zip(usable, ok):
+        if not good:
+            groups.pop(b, None)
+            notes.setdefault(b, "new_group failed on another rank")
+    return groups, notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--store", required=True, help="HOST:PORT of the launcher's TCPStore")
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    with open(a.config) as f:
+        cfg = json.load(f)
+    timeout = timedelta(seconds=cfg["timeout"])
+    host, port = a.store.rsplit(":", 1)
+    store = dist.TCPStore(host, int(port), a.world_size, is_master=False, timeout=timeout)
+    # The agreement channel must outlive a backend's timeout, hence the longer deadline.
+    dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world_size,
+                            timeout=timeout * 3)
+    groups, notes = _open_groups(cfg["torch_backends"], timeout)
+    apis = {b: TorchApi(g, cfg["op"]) for b, g in groups.items()}
+    progress = Progress(len(sweep_plan(cfg, a.world_size)), ",".join(apis) or "-",
+                        enabled=cfg["progress"] and a.rank == 0)
+    records = run_sweep(cfg, a.rank, a.world_size, apis, _agree, progress) if apis else []
+    with open(a.out, "w") as f:
+        json.dump({"rank": a.rank, "notes": notes, "backends": list(apis), "records": records}, f)
+    dist.barrier()  # nobody tears down connections a peer still reads from
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

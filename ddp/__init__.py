@@ -1,0 +1,14 @@
+"""pycoll's own DistributedDataParallel: gradient buckets, overlap, no_sync, comm hooks, join.
+
+``from ddp import DistributedDataParallel`` is a drop-in for torch's class of that name
+(same arguments, ``no_sync``, ``register_comm_hook``, ``join``) and works on any
+torch.distributed process group, using only torch.distributed's public API.
+"""
+
+from . import hooks
+from .buckets import GradBucket, assign_buckets
+from .distributed import DistributedDataParallel
+from .timeline import BucketTimes, Timeline
+
+__all__ = ["DistributedDataParallel", "GradBucket", "assign_buckets", "hooks", "Timeline",
+           "BucketTimes"]

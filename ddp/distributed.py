@@ -1,0 +1,132 @@
+"""``DistributedDataParallel``: the module wrapper users see (torch's names and arguments).
+
+Construction: verify that every rank built the same model, broadcast parameters and
+buffers from rank 0, build the reducer. Each forward: notify a join context if one is
+active, rebuild buckets once after the first iteration, broadcast buffers, run the module,
+and tell the reducer whether the coming backward synchronises. The gradient work itself
+is in ``reducer.py``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn import Module
+
+from .join import DDPJoinHook, JoinContext, exchange_join_state
+from .reducer import Reducer
+from .sync import BufferBroadcaster, broadcast_tensors, verify_same_model
+from .timeline import Timeline
+
+
+class DistributedDataParallel(Module, Joinable):
+    """Data-parallel training of ``module``: gradients are averaged across the process group
+    during backward, bucket by bucket, overlapping communication with computation."""
+
+    def __init__(self, module: Module, process_group=None, bucket_cap_mb: float = 25,
+                 first_bucket_cap_mb: float = 1, find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True,
+                 static_graph: bool = False) -> None:
+        super().__init__()
+        Joinable.__init__(self)
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedDataParallel needs torch.distributed.init_process_group first")
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.process_group)
+        self.world_size = dist.get_world_size(self.process_group)
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.require_backward_grad_sync = True
+        self._divide_by_initial_world_size = True
+
+        named_params = list(module.named_parameters())  # tied parameters appear once
+        named_buffers = list(module.named_buffers())
+        verify_same_model(named_params + named_buffers, self.process_group)
+        broadcast_tensors(self._state_tensors(), 0, self.process_group)
+        trainable = [(n, p) for n, p in named_params if p.requires_grad]
+        if not trainable:
+            raise RuntimeError("DistributedDataParallel is not needed for a module with no "
+                               "parameter that requires a gradient")
+        self.reducer = Reducer([p for _, p in trainable], [n for n, _ in trainable],
+                               self.process_group, bucket_cap_mb, first_bucket_cap_mb,
+                               find_unused_parameters, gradient_as_bucket_view, static_graph)
+        buffers = [b for _, b in named_buffers]
+        self._buffer_sync = BufferBroadcaster(buffers) if broadcast_buffers and self.world_size > 1 else None
+
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
+
+    # ---- forward --------------------------------------------------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        joining = self._join_config.enable
+        notified = Join.notify_join_context(self) if joining else None
+        self.reducer.rebuild_if_pending()
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        divisor, src = self.world_size, 0
+        if joining:
+            active, _ = exchange_join_state(self, active=True, sync=sync)
+            if not self._divide_by_initial_world_size:
+                divisor = len(active)
+            src = active[0]  # rank 0 may have joined: the lowest rank still training
+        if notified is not None:
+            notified.wait()
+        self._sync_buffers(src)
+        outputs = self.module(*inputs, **kwargs)
+        self.reducer.prepare_for_backward(outputs, sync, divisor)
+        return outputs
+
+    def _sync_buffers(self, src: int) -> None:
+        if self._buffer_sync:
+            self._buffer_sync.broadcast(src, self.rank, self.process_group)
+
+    # ---- torch's DDP API ------------------------------------------------------------
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate gradients locally; the next synchronised backward
+        (its forward outside this context) reduces the accumulated gradients."""
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def register_comm_hook(self, state: Any, hook: Callable) -> None:
+        """``hook(state, bucket) -> Future[Tensor]`` replaces each bucket's all-reduce;
+        see ``ddp.hooks``. Call once, before the first backward."""
+        self.reducer.register_comm_hook(state, hook)
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> JoinContext:
+        """Context for uneven inputs: ranks that run out of data shadow the others'
+        collectives until every rank is done, then all ranks end with the same model."""
+        return JoinContext(self, divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
+        return DDPJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.reducer.params[0].device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    # ---- introspection --------------------------------------------------------------
+    @property
+    def timeline(self) -> Timeline:
+        """Ready / all-reduce start / end times per bucket of the last synchronised backward."""
+        return self.reducer.timeline
+
+    def bucket_indices(self) -> list[list[int]]:
+        """Each bucket's parameters as indices into the trainable ``parameters()``."""
+        return self.reducer.bucket_indices()

@@ -1,0 +1,68 @@
+"""Communication hooks: ``hook(state, bucket) -> torch.futures.Future[Tensor]`` (torch's contract).
+
+A hook replaces a bucket's all-reduce. ``state`` is the process group (or None for the
+default group); ``bucket`` is a ``ddp.buckets.GradBucket``. The future must resolve to the
+*averaged* gradients, shaped like ``bucket.buffer()`` (the hook divides, not the reducer).
+These hooks also work with torch's DDP, and torch's hooks work with ours.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "allreduce_future"]
+
+
+def allreduce_future(tensor: torch.Tensor, group) -> torch.futures.Future:
+    """Start a SUM all-reduce of ``tensor`` in place; a future that resolves to ``tensor``.
+
+    Uses the Work's future when the backend offers one, so the reduction overlaps with
+    whatever runs next. A backend whose Work has no future is waited for at once (correct,
+    but without overlap for this hook).
+    """
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    try:
+        fut = work.get_future()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        work.wait()
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+    # f.value() re-raises the collective's error instead of returning a stale tensor.
+    return fut.then(lambda f: (f.value(), tensor)[1])
+
+
+def _group(state):
+    return state if state is not None else dist.group.WORLD
+
+
+def allreduce_hook(process_group, bucket) -> torch.futures.Future:
+    """The plain averaging all-reduce, as a hook (same result as registering no hook)."""
+    group = _group(process_group)
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size(group))
+    return allreduce_future(buffer, group)
+
+
+def _compress_hook(process_group, bucket, dtype: torch.dtype) -> torch.futures.Future:
+    group = _group(process_group)
+    buffer = bucket.buffer()
+    # Divide after the cast, as torch's hooks do, so both compute bit-identical results.
+    compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+
+    def decompress(fut: torch.futures.Future) -> torch.Tensor:
+        buffer.copy_(fut.value())
+        return buffer
+
+    return allreduce_future(compressed, group).then(decompress)
+
+
+def fp16_compress_hook(process_group, bucket) -> torch.futures.Future:
+    """All-reduce the bucket in float16 (half the bytes), then copy back to its dtype."""
+    return _compress_hook(process_group, bucket, torch.float16)
+
+
+def bf16_compress_hook(process_group, bucket) -> torch.futures.Future:
+    """All-reduce the bucket in bfloat16 (half the bytes, float32's range)."""
+    return _compress_hook(process_group, bucket, torch.bfloat16)

@@ -87,6 +87,22 @@ def test_harness_reports_an_error_and_skips_the_rest_of_that_collective():
     assert all(r["error"] is None for r in recs if r["collective"] == "all_to_all")
 
 
+def test_harness_drops_a_backend_that_failed_on_another_rank():
+    cfg = {"collectives": ["all_gather"], "sizes": [8, 64], "dtype": "int32", "op": "sum",
+           "iters": 2, "warmup": 1, "rounds": 1}
+    calls = []
+
+    def agree(flags):  # the 2nd agreement (y's warmup) is where another rank reports failure
+        calls.append(1)
+        return [False, True] if len(calls) == 2 else flags
+
+    recs = run_sweep(cfg, 0, 1, {"x": _World1(), "y": _World1()}, agree)
+    by = {(r["backend"], r["size"]): r for r in recs}
+    assert by["y", 8]["error"] == "failed on another rank" and by["y", 8]["times_us"] == []
+    assert "skipped" in by["y", 64]["error"] and by["y", 64]["times_us"] == []
+    assert by["x", 8]["error"] is None and len(by["x", 64]["times_us"]) == 2
+
+
 def test_main_is_importable_and_plot_error_is_clear(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         bench.main(["--help"])

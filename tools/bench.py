@@ -222,7 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     docs = []
     with tempfile.TemporaryDirectory(prefix="pycoll-bench-") as tmp:
         if torch_backends:
-            docs += run_torch_ranks(cfg, args.world_size, tmp, env, deadline)
+            try:
+                docs += run_torch_ranks(cfg, args.world_size, tmp, env, deadline)
+            except RuntimeError as e:  # the ranks' own tracebacks are above, on stderr
+                print(f"bench: {e}; no results", file=sys.stderr)
+                return 2
         mpi_docs, mpi_err = [], mpi_why
         if mpi_cmd:
             meta_notes.append("MPI ran after the torch backends (separate processes, not "

@@ -24,6 +24,7 @@ class TorchApi:
     def __init__(self, group, op: str):
         self.group = group
         self.op = _TORCH_OPS[op]
+        self.world = dist.get_world_size(group)  # looked up once, not inside the timed call
 
     def all_reduce(self, buf):
         dist.all_reduce(buf, op=self.op, group=self.group)
@@ -45,11 +46,11 @@ class TorchApi:
 
     def gather(self, out, inp, root, is_root):
         # views of one flat tensor: the root's result is contiguous like the other backends'
-        chunks = list(out.chunk(dist.get_world_size(self.group))) if is_root else None
+        chunks = list(out.chunk(self.world)) if is_root else None
         dist.gather(inp, gather_list=chunks, dst=root, group=self.group)
 
     def scatter(self, out, inp, root, is_root):
-        chunks = list(inp.chunk(dist.get_world_size(self.group))) if is_root else None
+        chunks = list(inp.chunk(self.world)) if is_root else None
         dist.scatter(out, scatter_list=chunks, src=root, group=self.group)
 
     def barrier(self):

@@ -112,6 +112,13 @@ def format_tables(result: dict, order: list[str]) -> str:
                   if r and r.get("error")}
         for b, e in errors.items():
             lines.append(f"#   {b}: {e}")
+    avg = []
+    for b in order:  # nccl-tests' closing figure: mean busbw over every row that has one
+        bws = [row["results"][b]["busbw_GBps"] for e in result["collectives"].values()
+               for row in e["rows"] if (row["results"].get(b) or {}).get("busbw_GBps")]
+        if bws:
+            avg.append(f"{b} {sum(bws) / len(bws):.3f}")
+    lines.append(f"\n# avg busbw (GB/s, over all sizes and collectives): {', '.join(avg) or '-'}")
     return "\n".join(lines)
 
 
@@ -167,6 +174,9 @@ def plot(result: dict, order: list[str], path: str) -> None:
                 continue
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=b)
+        tcp = result["reference"].get("tcp_loopback_one_way_GBps")
+        if tcp and name != "barrier":  # the bound for a TCP-only path, measured in this run
+            ax.axhline(tcp, color="grey", ls="--", lw=1, label="TCP loopback")
         if name == "barrier":
             ax.set_ylabel("time (us)")
         else:

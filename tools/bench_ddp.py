@@ -1,0 +1,336 @@
+"""DDP benchmark: {torch DDP, ddp.DistributedDataParallel} x {gloo, pycoll}, one invocation.
+
+    python tools/bench_ddp.py [--models mlp,convnet] [--world-size 2] [--rounds 5] [--steps 5]
+        [--sweep 0.25,1,5,25,100] [--no-memory] [--json out/bench_ddp.json] [--plot PATH]
+
+Speed: ``world_size`` rank processes are started once (forkserver, torch preloaded) around a
+TCPStore that the parent binds to port 0. Each rank opens a gloo default group and, when
+pycoll imports and registers, a ``new_group(backend="pycoll")``. Configurations run
+interleaved (the order rotates each round) so a noisy phase of this shared machine hits all
+alike; each block is ``--steps`` timed training steps after warm-up, timed by the slowest
+rank; the report gives medians over rounds. Baselines: ``independent`` (every rank trains
+its own copy at once, no communication: the fair denominator on 2 vCPUs, see DESIGN.md) and
+``single`` (rank 0 alone). ``--sweep`` times our DDP on the MLP across bucket_cap_mb values
+(the paper's bucket-size finding) and plots it when matplotlib is installed (extra ``plot``).
+Memory: each configuration runs once more in fresh rank processes, reporting peak RSS per
+rank (``resource.getrusage`` ru_maxrss), since a process's peak cannot be reset for the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: make `ddp` importable
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+IMPLS = ("torch", "ours")
+
+
+# ---- models ---------------------------------------------------------------------------
+def mlp() -> nn.Module:  # 25.2M parameters
+    return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                         nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
+
+
+def convnet() -> nn.Module:  # 0.9M parameters
+    def block(i, o):
+        return [nn.Conv2d(i, o, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)]
+    return nn.Sequential(*block(3, 32), *block(32, 64), *block(64, 128), *block(128, 256),
+                         nn.Flatten(), nn.Linear(256 * 2 * 2, 512), nn.ReLU(), nn.Linear(512, 10))
+
+
+MODELS = {"mlp": (mlp, lambda: torch.randn(32, 1024)),
+          "convnet": (convnet, lambda: torch.randn(32, 3, 32, 32))}
+
+
+def nparams(name: str) -> int:
+    return sum(p.numel() for p in MODELS[name][0]().parameters())
+
+
+# ---- rank side ------------------------------------------------------------------------
+def pycoll_available() -> tuple[bool, str]:
+    try:
+        import pycoll  # noqa: F401  (importing registers the backend)
+    except Exception as e:  # noqa: BLE001
+        return False, f"import pycoll failed: {type(e).__name__}: {e}"
+    if "pycoll" not in dist.Backend.backend_list:
+        return False, "pycoll imports but does not register the 'pycoll' backend"
+    return True, ""
+
+
+def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
+    torch.set_num_threads(1)  # world_size ranks share 2 vCPUs
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=store,
+                            timeout=timedelta(seconds=timeout_s))
+
+
+def _agree(ok: bool) -> bool:
+    t = torch.tensor([0 if ok else 1])
+    dist.all_reduce(t)  # gloo default group, not the group under test
+    return t.item() == 0
+
+
+def _groups(want_pycoll: bool, timeout_s: float) -> tuple[dict, str]:
+    groups, note = {"gloo": dist.new_group(backend="gloo")}, ""
+    if want_pycoll:
+        try:
+            pycoll_available()  # this fresh process must import pycoll to register it
+            group = dist.new_group(backend="pycoll", timeout=timedelta(seconds=timeout_s))
+            ok = True
+        except Exception as e:  # noqa: BLE001 - the column becomes n/a on every rank
+            group, ok, note = None, False, f"new_group(backend='pycoll') failed: {type(e).__name__}: {e}"
+        if _agree(ok):
+            groups["pycoll"] = group
+        else:
+            note = note or "new_group(backend='pycoll') failed on another rank"
+    return groups, note
+
+
+def _wrap(impl: str, model: nn.Module, group, kw: dict) -> nn.Module:
+    if impl == "torch":
+        kw = {k: v for k, v in kw.items() if k != "first_bucket_cap_mb"}
+        return nn.parallel.DistributedDataParallel(model, process_group=group, **kw)
+    if impl == "ours":
+        from ddp import DistributedDataParallel
+        return DistributedDataParallel(model, process_group=group, **kw)
+    return model  # independent / single: no communication
+
+
+def _block(model_name: str, impl: str, group, kw: dict, steps: int, warmup: int,
+           rank: int) -> float | None:
+    """Seconds for ``steps`` training steps on this rank (None: this rank sat it out)."""
+    build, inputs = MODELS[model_name]
+    torch.manual_seed(0)
+    alone = impl == "single" and rank != 0
+    model = None if alone else _wrap(impl, build(), group, kw)
+    elapsed = None
+    if model is not None:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        x, y = inputs(), torch.randint(0, 10, (32,))
+
+        def step() -> None:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+
+        for _ in range(warmup):
+            step()
+    dist.barrier()
+    if model is not None:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        elapsed = time.perf_counter() - t0
+    dist.barrier()
+    return elapsed
+
+
+def speed_rank(rank: int, world: int, port: int, opts: dict) -> dict:
+    _init(rank, world, port, opts["timeout"])
+    groups, note = _groups(opts["pycoll"], opts["timeout"])
+    times: dict[str, list] = {}
+    configs = [(m, impl, be, {}) for m in opts["models"]
+               for impl in ("independent", "single")
+               for be in [None]]
+    configs += [(m, impl, be, {}) for m in opts["models"] for be in groups for impl in IMPLS]
+    configs += [("mlp", "ours", be, {"bucket_cap_mb": cap}) for cap in opts["sweep"] for be in groups]
+    for r in range(opts["rounds"]):
+        shift = r % len(configs)
+        for m, impl, be, kw in configs[shift:] + configs[:shift]:
+            key = json.dumps([m, impl, be, kw.get("bucket_cap_mb")])
+            times.setdefault(key, []).append(_block(m, impl, groups.get(be), kw, opts["steps"],
+                                                    opts["warmup"], rank))
+    dist.destroy_process_group()
+    return {"times": times, "pycoll": "pycoll" in groups, "note": note}
+
+
+def memory_rank(rank: int, world: int, port: int, opts: dict) -> dict:
+    _init(rank, world, port, opts["timeout"])
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    groups, _ = _groups(opts["backend"] == "pycoll", opts["timeout"])
+    group = groups.get(opts["backend"])
+    if group is None:
+        dist.destroy_process_group()
+        return {"peak_mb": None}
+    _block(opts["model"], opts["impl"], group, opts["kw"], opts["steps"], 1, rank)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    dist.destroy_process_group()
+    return {"peak_mb": peak / 1024, "base_mb": base / 1024}
+
+
+def _rank_main(fn_name: str, rank: int, world: int, port: int, opts: dict, queue) -> None:
+    try:
+        queue.put((rank, "ok", globals()[fn_name](rank, world, port, opts)))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        import traceback
+        queue.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_ranks(fn_name: str, world: int, opts: dict, timeout_s: float) -> list[dict]:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=timeout_s))
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(fn_name, r, world, store.port, opts, queue),
+                         daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    results: list = [None] * world
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout_s)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed: {value}")
+            results[rank] = value
+    finally:
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+# ---- report ---------------------------------------------------------------------------
+def _median_rate(per_rank: list[list], steps: int) -> float | None:
+    """Steps/s, median over rounds, each round timed by its slowest rank."""
+    rounds = [max(t for t in ts if t is not None) for ts in zip(*per_rank)]
+    return statistics.median(steps / t for t in rounds) if rounds else None
+
+
+def summarise(results: list[dict], opts: dict) -> dict:
+    keys = results[0]["times"].keys()
+    rates = {}
+    for key in keys:
+        rates[key] = _median_rate([r["times"][key] for r in results], opts["steps"])
+    notes = [r["note"] for r in results if r["note"]]
+    return {"rates": rates, "pycoll": results[0]["pycoll"], "note": notes[0] if notes else ""}
+
+
+def _rate(rates: dict, m: str, impl: str, be, cap=None) -> float | None:
+    return rates.get(json.dumps([m, impl, be, cap]))
+
+
+def _fmt(x: float | None, unit: str = "") -> str:
+    return "n/a" if x is None else f"{x:.2f}{unit}"
+
+
+def print_speed(summary: dict, opts: dict, note: str) -> None:
+    rates = summary["rates"]
+    print(f"\nsteps/s, world size {opts['world']}, median of {opts['rounds']} rounds x "
+          f"{opts['steps']} steps (slowest rank); pycoll: {'yes' if summary['pycoll'] else 'n/a ' + note}")
+    head = ["model", "params", "single", "indep.", "torch/gloo", "ours/gloo", "torch/pycoll",
+            "ours/pycoll", "ours/torch gloo", "ours-pycoll/torch-gloo", "eff.(ours gloo)"]
+    print(" | ".join(head))
+    for m in opts["models"]:
+        g = {(i, b): _rate(rates, m, i, b) for i in IMPLS for b in ("gloo", "pycoll")}
+        indep = _rate(rates, m, "independent", None)
+        ratio = (lambda a, b: None if a is None or b is None else a / b)
+        row = [m, f"{nparams(m) / 1e6:.1f}M", _fmt(_rate(rates, m, "single", None)), _fmt(indep),
+               _fmt(g["torch", "gloo"]), _fmt(g["ours", "gloo"]), _fmt(g["torch", "pycoll"]),
+               _fmt(g["ours", "pycoll"]), _fmt(ratio(g["ours", "gloo"], g["torch", "gloo"])),
+               _fmt(ratio(g["ours", "pycoll"], g["torch", "gloo"])),
+               _fmt(ratio(g["ours", "gloo"], indep))]
+        print(" | ".join(row))
+    if opts["sweep"]:
+        print("\nbucket_cap_mb sweep, ours on the mlp, steps/s")
+        for be in ("gloo", "pycoll"):
+            print(f"{be:7s}", "  ".join(f"{cap:g}MB: {_fmt(_rate(rates, 'mlp', 'ours', be, cap))}"
+                                         for cap in opts["sweep"]))
+
+
+def measure_memory(opts: dict) -> list[dict]:
+    rows = []
+    configs = [("torch", {}), ("ours", {}), ("torch", {"gradient_as_bucket_view": True}),
+               ("ours", {"gradient_as_bucket_view": True})]
+    for m in opts["models"]:
+        for impl, kw in configs:
+            mo = {"model": m, "impl": impl, "kw": kw, "backend": "gloo", "steps": 3,
+                  "timeout": opts["timeout"]}
+            res = run_ranks("memory_rank", opts["world"], mo, opts["timeout"] + 60)
+            rows.append({"model": m, "impl": impl, "view": bool(kw), "peak_mb": [r["peak_mb"] for r in res]})
+    print("\npeak RSS per rank (MiB, fresh processes, gloo, 3 steps)")
+    for m in opts["models"]:
+        grads_mb = nparams(m) * 4 / 2**20
+        got = {(r["impl"], r["view"]): max(r["peak_mb"]) for r in rows if r["model"] == m}
+        print(f"{m}: gradients {grads_mb:.0f} MiB; " + ", ".join(
+            f"{i}{'+view' if v else ''} {mb:.0f}" for (i, v), mb in got.items())
+            + f"; ours/torch {got['ours', False] / got['torch', False]:.3f}"
+            + f"; ours saves with view {got['ours', False] - got['ours', True]:.0f} MiB")
+    return rows
+
+
+def plot_sweep(summary: dict, opts: dict, path: str) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"(no plot: matplotlib is not installed; pip install '.[plot]' to get {path})")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for be in ("gloo", "pycoll"):
+        ys = [_rate(summary["rates"], "mlp", "ours", be, cap) for cap in opts["sweep"]]
+        if any(y is not None for y in ys):
+            ax.plot(opts["sweep"], ys, marker="o", label=f"ddp on {be}")
+    ax.set_xscale("log")
+    ax.set_xlabel("bucket_cap_mb")
+    ax.set_ylabel("steps/s (25M-parameter MLP)")
+    ax.set_title(f"Bucket size vs throughput, world size {opts['world']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="mlp,convnet")
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--sweep", default="0.25,1,5,25,100", help="bucket_cap_mb values; '' for none")
+    p.add_argument("--no-memory", action="store_true")
+    p.add_argument("--no-pycoll", action="store_true")
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--json", default=str(REPO / "out" / "bench_ddp.json"))
+    p.add_argument("--plot", default=str(REPO / "docs" / "ddp_bucket_sweep.png"))
+    a = p.parse_args(argv)
+    ok, note = (False, "(--no-pycoll)") if a.no_pycoll else pycoll_available()
+    opts = {"models": [m for m in a.models.split(",") if m], "world": a.world_size,
+            "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "pycoll": ok,
+            "sweep": [float(c) for c in a.sweep.split(",") if c], "timeout": a.timeout}
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, world size {a.world_size}, "
+          f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
+    results = run_ranks("speed_rank", a.world_size, opts, a.timeout * 4)
+    summary = summarise(results, opts)
+    print_speed(summary, opts, note or summary["note"])
+    memory = [] if a.no_memory else measure_memory(opts)
+    if opts["sweep"] and a.plot:
+        plot_sweep(summary, opts, a.plot)
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"opts": opts, "speed": summary, "memory": memory}, indent=1))
+        print(f"json: {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

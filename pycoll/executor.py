@@ -48,7 +48,12 @@ class Executor:
         isz = dtype.itemsize
         seg_elems = max(1, self.segment_bytes // isz)
         what = f"{sig.op} seq {sig.seq}"
-        for step_idx, step in enumerate(sched.steps):
+        # A header's "step" is the message's ordinal on its (sender, receiver) pair, not the
+        # sender's step index: ranks idle in a round have no step there, so step indices
+        # differ between peers, while per-pair message order is what schedules agree on.
+        n_sent: dict[int, int] = {}
+        n_recv: dict[int, int] = {}
+        for step in sched.steps:
             if isinstance(step[0], (Copy, Reduce)):
                 self._local(step, bufs, reduction)
                 continue
@@ -56,13 +61,16 @@ class Executor:
             ins: list[InFrame] = []
             for a in step:
                 mv = views[a.buf]
+                counter = n_sent if isinstance(a, Send) else n_recv
+                msg = counter.get(a.peer, 0)
+                counter[a.peer] = msg + 1
                 for seg, (lo, n) in enumerate(_segments(a.start, a.count, seg_elems)):
                     nbytes = n * isz
                     if isinstance(a, Send):
-                        header = Header(DATA, sig, step_idx, seg, nbytes).encode()
+                        header = Header(DATA, sig, msg, seg, nbytes).encode()
                         outs.append(OutFrame(a.peer, header, mv[lo * isz:lo * isz + nbytes]))
                         continue
-                    expect = Header(DATA, sig, step_idx, seg, nbytes)
+                    expect = Header(DATA, sig, msg, seg, nbytes)
                     if isinstance(a, Recv):
                         ins.append(InFrame(a.peer, expect, mv[lo * isz:lo * isz + nbytes]))
                     else:

@@ -106,6 +106,55 @@ def pow2_floor(n: int) -> int:
     return 1 << (n.bit_length() - 1)
 
 
+def displacements(counts: list[int]) -> list[int]:
+    """Prefix sums: where each rank's block starts in a buffer laid out in rank blocks."""
+    out, start = [], 0
+    for c in counts:
+        out.append(start)
+        start += c
+    return out
+
+
+# Binomial trees over relative ranks v = (rank - root) % world: v's parent is v minus its
+# lowest set bit; its children are v + m for each power of two m below that bit (and < world).
+
+def binomial_parent(v: int) -> int | None:
+    return None if v == 0 else v - (v & -v)
+
+
+def binomial_children(v: int, world: int) -> list[int]:
+    """Children of ``v``, nearest first (the order a reduce receives them in)."""
+    low = (v & -v) if v else 1 << max(world - 1, 0).bit_length()
+    out, m = [], 1
+    while m < low and v + m < world:
+        out.append(v + m)
+        m <<= 1
+    return out
+
+
+def subtree(v: int, world: int) -> tuple[int, int]:
+    """The relative ranks [v, end) of the binomial subtree rooted at ``v``."""
+    low = (v & -v) if v else 1 << max(world - 1, 0).bit_length()
+    return v, min(v + low, world)
+
+
+# The MPICH fold for power-of-two algorithms on any world: with p = pow2_floor(world) and
+# rem = world - p, each even rank below 2*rem hands its data to the odd rank above it and
+# sits out; the p remaining ranks are renumbered 0..p-1.
+
+def fold_rank(rank: int, world: int) -> int | None:
+    """This rank's number among the p active ranks, or None if it sits out."""
+    rem = world - pow2_floor(world)
+    if rank < 2 * rem:
+        return rank // 2 if rank % 2 else None
+    return rank - rem
+
+
+def unfold_rank(new: int, world: int) -> int:
+    rem = world - pow2_floor(world)
+    return 2 * new + 1 if new < rem else new + rem
+
+
 def validate(s: Schedule) -> None:
     """Check a schedule's shape: steps are all-local or all-comm, peers valid, no write/send overlap."""
     for i, step in enumerate(s.steps):

@@ -1,0 +1,23 @@
+"""Linear scatter from ``root``: the root's "in" holds world*count elements in rank blocks;
+every rank's "out" gets its ``count``-element block.
+
+The root sends block i to rank i for every i != root in one step (run concurrently by the
+transport) and copies its own block locally; every other rank receives once.
+
+Steps: 1. Bytes sent by the root: n*(P-1) with n = count; others send nothing. Cost:
+alpha + n*(P-1)*beta at the root's link. The tuner uses it everywhere on small worlds.
+"""
+
+from __future__ import annotations
+
+from .schedule import Copy, Recv, Schedule, Send
+
+
+def schedule(rank: int, world: int, count: int, root: int) -> Schedule:
+    s = Schedule("linear_scatter", rank, world)
+    if rank != root:
+        s.add(Recv(root, "out", 0, count))
+        return s
+    s.add(Copy("in", root * count, "out", 0, count))
+    s.add(*(Send(i, "in", i * count, count) for i in range(world) if i != root))
+    return s

@@ -1,0 +1,60 @@
+"""Recursive-doubling all-reduce: log2(P) whole-buffer exchanges, for small messages.
+
+With P a power of two, in round k (k = 0..log2(P)-1) rank r exchanges its whole buffer with
+partner r XOR 2^k and reduces, so after round k every rank holds the reduction over its
+aligned group of 2^(k+1) ranks; after the last, over the world. Both partners compute
+``lower op upper`` with the lower group's data on the left: IEEE a+b == b+a, but torch's
+kernels are not always bitwise commutative (complex multiplication differs in the last bit
+between its vector and scalar paths), so a fixed operand order is what makes all ranks end
+with bitwise-identical results. The lower partner reduces the received buffer into its
+own; the upper one reduces its own into the received one, and the two buffers swap roles
+("out" and a temp of ``count``); a final local copy moves the result to "out" if needed.
+
+Any other P uses the MPICH fold (see ``schedule.fold_rank``): with p = pow2_floor(P) and
+rem = P - p, each even rank r < 2*rem first sends its buffer to r+1, which reduces it in;
+the p active ranks run the rounds above; finally each odd rank r < 2*rem sends the result
+back to r-1 (a copy, so the folded ranks are bitwise identical too).
+
+"out" is sent while the partner's buffer arrives, so it cannot be received into "out".
+
+Steps: log2(p) exchanges (+2 with the fold). Bytes sent per active rank: n*log2(p) (+n for
+the ranks in the fold). Cost: log2(p)*(alpha + n*beta + n*gamma) (+2*(alpha + n*beta)).
+Latency-optimal; the tuner picks it for small messages (up to a few KiB).
+"""
+
+from __future__ import annotations
+
+from .schedule import (Copy, Recv, RecvReduce, Reduce, Schedule, Send, fold_rank, pow2_floor,
+                       unfold_rank)
+
+
+def schedule(rank: int, world: int, count: int) -> Schedule:
+    s = Schedule("recursive_doubling_allreduce", rank, world)
+    p = pow2_floor(world)
+    rem = world - p
+    new = fold_rank(rank, world)
+    if rank < 2 * rem:  # fold in
+        if new is None:
+            s.add(Send(rank + 1, "out", 0, count))
+        else:
+            s.add(RecvReduce(rank - 1, "out", 0, count))
+    if new is not None and p > 1:
+        s.temps["tmp"] = count
+        mine, other, mask = "out", "tmp", 1
+        while mask < p:
+            peer = unfold_rank(new ^ mask, world)
+            s.add(Send(peer, mine, 0, count), Recv(peer, other, 0, count))
+            if new & mask:  # upper partner: result = received op mine, in the received buffer
+                s.add(Reduce(mine, 0, other, 0, count))
+                mine, other = other, mine
+            else:
+                s.add(Reduce(other, 0, mine, 0, count))
+            mask <<= 1
+        if mine != "out":
+            s.add(Copy(mine, 0, "out", 0, count))
+    if rank < 2 * rem:  # fold out
+        if new is None:
+            s.add(Recv(rank + 1, "out", 0, count))
+        else:
+            s.add(Send(rank - 1, "out", 0, count))
+    return s

@@ -41,9 +41,11 @@ IMPLS = ("torch", "ours")
 
 
 # ---- models ---------------------------------------------------------------------------
-def mlp() -> nn.Module:  # 25.2M parameters
-    return nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
-                         nn.Linear(4096, 1024), nn.ReLU(), nn.Linear(1024, 10))
+def mlp() -> nn.Module:  # 25.2M parameters in 7 similar layers (no single dominant gradient)
+    layers = [nn.Linear(1024, 2048), nn.ReLU()]
+    for _ in range(5):
+        layers += [nn.Linear(2048, 2048), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
 def convnet() -> nn.Module:  # 0.9M parameters
@@ -182,9 +184,12 @@ def _rank_main(fn_name: str, rank: int, world: int, port: int, opts: dict, queue
         queue.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
-def run_ranks(fn_name: str, world: int, opts: dict, timeout_s: float) -> list[dict]:
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+def run_ranks(fn_name: str, world: int, opts: dict, timeout_s: float, fresh: bool = False) -> list[dict]:
+    """Run ``fn_name`` on ``world`` ranks; ``fresh``: spawned from scratch, with this
+    process's current environment (the forkserver keeps the one it started with)."""
+    ctx = mp.get_context("spawn" if fresh else "forkserver")
+    if not fresh:
+        ctx.set_forkserver_preload(["torch", "torch.distributed"])
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     queue = ctx.Queue()
@@ -255,7 +260,29 @@ def print_speed(summary: dict, opts: dict, note: str) -> None:
                                          for cap in opts["sweep"]))
 
 
-def measure_memory(opts: dict) -> list[dict]:
+MMAP_FIXED = "glibc.malloc.mmap_threshold=1048576"
+
+
+def measure_memory(opts: dict, malloc_default: bool) -> list[dict]:
+    """Peak RSS per rank of each configuration, each in fresh rank processes.
+
+    Unless ``malloc_default``, the ranks run with a fixed glibc mmap threshold (1 MiB): freed
+    large tensors then go back to the OS at once, so the peak measures live tensors rather
+    than what glibc's adaptive threshold happens to keep on its heap. Both DDPs alike.
+    """
+    saved = os.environ.get("GLIBC_TUNABLES")
+    if not malloc_default:
+        os.environ["GLIBC_TUNABLES"] = ":".join(t for t in (saved, MMAP_FIXED) if t)
+    try:
+        return _measure_memory(opts, os.environ.get("GLIBC_TUNABLES", ""))
+    finally:
+        if saved is None:
+            os.environ.pop("GLIBC_TUNABLES", None)
+        else:
+            os.environ["GLIBC_TUNABLES"] = saved
+
+
+def _measure_memory(opts: dict, tunables: str) -> list[dict]:
     rows = []
     configs = [("torch", {}), ("ours", {}), ("torch", {"gradient_as_bucket_view": True}),
                ("ours", {"gradient_as_bucket_view": True})]
@@ -263,9 +290,9 @@ def measure_memory(opts: dict) -> list[dict]:
         for impl, kw in configs:
             mo = {"model": m, "impl": impl, "kw": kw, "backend": "gloo", "steps": 3,
                   "timeout": opts["timeout"]}
-            res = run_ranks("memory_rank", opts["world"], mo, opts["timeout"] + 60)
+            res = run_ranks("memory_rank", opts["world"], mo, opts["timeout"] + 60, fresh=True)
             rows.append({"model": m, "impl": impl, "view": bool(kw), "peak_mb": [r["peak_mb"] for r in res]})
-    print("\npeak RSS per rank (MiB, fresh processes, gloo, 3 steps)")
+    print(f"\npeak RSS per rank (MiB, fresh processes, gloo, 3 steps, GLIBC_TUNABLES={tunables!r})")
     for m in opts["models"]:
         grads_mb = nparams(m) * 4 / 2**20
         got = {(r["impl"], r["view"]): max(r["peak_mb"]) for r in rows if r["model"] == m}
@@ -309,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", default="0.25,1,5,25,100", help="bucket_cap_mb values; '' for none")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--no-pycoll", action="store_true")
+    p.add_argument("--malloc-default", action="store_true",
+                   help="memory runs without the fixed glibc mmap threshold")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", default=str(REPO / "out" / "bench_ddp.json"))
     p.add_argument("--plot", default=str(REPO / "docs" / "ddp_bucket_sweep.png"))
@@ -322,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_ranks("speed_rank", a.world_size, opts, a.timeout * 4)
     summary = summarise(results, opts)
     print_speed(summary, opts, note or summary["note"])
-    memory = [] if a.no_memory else measure_memory(opts)
+    memory = [] if a.no_memory else measure_memory(opts, a.malloc_default)
     if opts["sweep"] and a.plot:
         plot_sweep(summary, opts, a.plot)
     if a.json:

@@ -55,6 +55,7 @@ _BOOL = {"sum": _bor, "product": _band, "min": _band, "max": _bor,
          "band": _band, "bor": _bor, "bxor": _bxor}
 _ARITH = {"sum": _sum, "product": _prod, "avg": _sum, "premul_sum": _sum}
 _ORDERED = {"min": _min, "max": _max}
+_INT_ARITH = {"sum": _sum, "product": _prod, "avg": _sum}
 _BITWISE = {"band": _band, "bor": _bor, "bxor": _bxor}
 
 
@@ -114,7 +115,9 @@ def make_reduction(op, dtype: torch.dtype, world_size: int) -> Reduction:
     elif dtype in FLOATING:
         table = {**_ARITH, **_ORDERED}
     else:
-        table = {**_ARITH, **_ORDERED, **_BITWISE}
+        # No premul_sum: a float factor cannot scale an integer tensor in place, and failing
+        # inside the task would consume a sequence number on this rank only.
+        table = {**_INT_ARITH, **_ORDERED, **_BITWISE}
     if name not in table:
         raise ValueError(f"ReduceOp.{name.upper()} is not defined for dtype {dtype}")
     factor = op_factor(op) if name == "premul_sum" else None

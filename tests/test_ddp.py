@@ -41,11 +41,14 @@ CASES: dict[str, dict] = {
     "batchnorm": dict(model="batchnorm", concat=False, buffers=True),
     "rebuilt_order": dict(model="reordered", kw=dict(bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)),
     "hook_allreduce": dict(model="mlp", hook="allreduce_hook"),
-    "hook_fp16": dict(model="mlp", hook="fp16_compress_hook", local_tol=1e-2),
-    "hook_bf16": dict(model="mlp", hook="bf16_compress_hook", local_tol=5e-2),
-    "join_uneven": dict(model="mlp", uneven=True),
-    "join_uneven_tiny_buckets": dict(model="mlp", uneven=True,
+    "hook_fp16": dict(model="mlp", hook="fp16_compress_hook", local_tol=2e-3),
+    "hook_bf16": dict(model="mlp", hook="bf16_compress_hook", local_tol=1e-2),
+    "join_uneven": dict(model="mlp", uneven="ramp"),
+    "join_uneven_tiny_buckets": dict(model="mlp", uneven="ramp",
                                      kw=dict(bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)),
+    "join_rank0_has_no_data": dict(model="mlp", uneven="rank0_empty"),
+    "join_uneven_fp16_hook": dict(model="mlp", uneven="ramp", hook="fp16_compress_hook",
+                                  local_tol=2e-3),
 }
 
 
@@ -60,7 +63,12 @@ def _torch_hook(name: str):
 
 
 def _counts(case: dict, world: int) -> list[int] | None:
-    return [STEPS - 1 + r for r in range(world)] if case.get("uneven") else None
+    """Batches per rank for the uneven-input cases (join)."""
+    if case.get("uneven") == "ramp":
+        return [STEPS - 1 + r for r in range(world)]
+    if case.get("uneven") == "rank0_empty":  # rank 0 joins at once: another rank leads
+        return [0] + [STEPS - 1 + r for r in range(1, world)]
+    return None
 
 
 def _train(model, case: dict, rank: int, world: int) -> None:

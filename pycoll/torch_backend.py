@@ -54,7 +54,14 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
     def _submit(self, op: str, outputs: list, task, opts=None) -> Work:
         inline = not getattr(opts, "asyncOp", True)
-        return self._comm.submit(op, outputs, task, inline)
+
+        def run(seq, deadline):
+            # Results are written in place into the caller's tensors, which may be leaf
+            # parameters that require grad (dist.all_reduce(param) works on gloo); grad mode
+            # is per thread and on by default in the worker, so turn it off here.
+            with torch.no_grad():
+                task(seq, deadline)
+        return self._comm.submit(op, outputs, run, inline)
 
     # -- reductions ----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -313,7 +320,8 @@ class ProcessGroupPycoll(dist.ProcessGroup):
 
         def done(r):
             if r.error is None and back is not None:
-                back()
+                with torch.no_grad():
+                    back()
             work._source = r.source
             work.complete(r.error)
         req.callbacks.append(done)

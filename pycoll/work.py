@@ -39,9 +39,11 @@ class Work(dist.Work):
             self._future.set_exception(error)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
-        if not self._done.is_set() and self._driver is not None:
-            self._driver(self)
         limit = timeout.total_seconds() if timeout else None
+        if not self._done.is_set() and self._driver is not None and limit is None:
+            # Running the queue inline cannot stop at a timeout; with one, the group's
+            # worker thread (already notified for async ops) runs it while we wait below.
+            self._driver(self)
         if not self._done.wait(limit):
             raise CommTimeoutError(f"{self.op} seq {self.seq}: Work.wait timed out after {limit} s",
                                    op=self.op, seq=self.seq)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from pycoll.errors import CommError
 from tests.harness import run_ranks
-from tests.test_vs_gloo import (BOOL, DTYPES, Checker, _assert_clean, gen, reference, seed_of)
+from tests.test_vs_gloo import (BOOL, DTYPES, TRANSPORTS, Checker, _assert_clean, gen, reference, seed_of)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
@@ -544,3 +544,64 @@ def _noncontig(rank: int, world: int) -> dict:
 @pytest.mark.parametrize("world", [1, 3])
 def test_non_contiguous_tensors(world):
     _assert_clean(run_ranks(_noncontig, world, backend="pycoll", timeout=50))
+
+
+# -- parameters, 0-dim tensors, PREMUL_SUM with a tensor factor, Work.wait(timeout) ------------------
+def _misc(rank: int, world: int) -> dict:
+    import time
+
+    ck = Checker(rank, world, "misc")
+    gloo = dist.new_group(backend="gloo")
+    res = {}
+    for group, label in ((None, "pycoll"), (gloo, "gloo")):
+        r = res[label] = {}
+        # leaf parameters that require grad, written in place (the usual param sync loop)
+        p = torch.nn.Parameter(gen(torch.float32, 6, seed_of(60, rank)))
+        dist.broadcast(p, src=world - 1, group=group)
+        r["param broadcast"] = p.detach().clone()
+        dist.all_reduce(p, group=group)
+        r["param all_reduce"] = p.detach().clone()
+        outs = [torch.zeros(6) for _ in range(world)]
+        dist.all_gather(outs, p, group=group)
+        r["param all_gather input"] = outs
+        # 0-dim tensors
+        s = torch.tensor(float(rank + 1))
+        dist.all_reduce(s, op=dist.ReduceOp.MAX, group=group)
+        r["0-dim all_reduce"] = s
+        s = torch.tensor(rank * 3 + 1)
+        dist.broadcast(s, src=0, group=group)
+        r["0-dim broadcast"] = s
+        outs = [torch.tensor(0.0) for _ in range(world)]
+        dist.all_gather(outs, torch.tensor(float(rank)), group=group)
+        r["0-dim all_gather"] = outs
+        # Work.wait(timeout) on a collective whose peer is late raises on time; a later
+        # wait() still completes the op
+        if world > 1:
+            if rank == world - 1:
+                time.sleep(0.6)
+            t0 = time.perf_counter()
+            w = dist.all_reduce(torch.ones(2), group=group, async_op=True)
+            raised = False
+            try:
+                w.wait(timeout=timedelta(milliseconds=150))
+            except RuntimeError:
+                raised = True
+            took = time.perf_counter() - t0
+            if rank != world - 1 and (not raised or took > 0.5):
+                ck.fail(f"{label} Work.wait(timeout)", f"raised={raised} after {took:.2f} s (peer 0.6 s late)")
+            w.wait()
+            dist.barrier(group=group)
+    ck.same("pycoll vs gloo", [res["pycoll"][k] for k in res["gloo"]], list(res["gloo"].values()), "approx")
+    x = gen(torch.float64, 5, seed_of(61, rank))
+    dist.all_reduce(x, op=dist._make_nccl_premul_sum(torch.tensor(0.25, dtype=torch.float64)))
+    ref = sum(gen(torch.float64, 5, seed_of(61, q)) * 0.25 for q in range(world))
+    ck.same("PREMUL_SUM with a tensor factor", x, ref, "approx")
+    dist.destroy_process_group(gloo)
+    return _result(ck)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("world", [1, 2])
+def test_params_scalars_wait_timeout_like_gloo(world, transport):
+    _assert_clean(run_ranks(_misc, world, backend="pycoll", timeout=50, env={"PYCOLL_TRANSPORT": transport}))

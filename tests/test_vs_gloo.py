@@ -37,6 +37,8 @@ OPS = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM
 PREMUL_FACTOR = 1.5
 BIG = 70_001          # crosses the all_reduce / all_gather / broadcast size thresholds
 MAX_REPORT = 40       # mismatches listed per rank
+# "auto" takes shared memory when all ranks share a host (as here); "tcp" forces sockets
+TRANSPORTS = ["tcp", "auto"]
 
 
 def defined(op: str, dtype: torch.dtype) -> bool:

@@ -20,6 +20,8 @@ from tests.harness import run_ranks
 from tests.test_ddp_support import (batches, build, flag_for, local_train, loss_fn,
                                     max_rel_err, optimizer)
 
+pytestmark = pytest.mark.timeout(60)
+
 STEPS = 3
 TOL = 1e-5
 

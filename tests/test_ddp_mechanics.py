@@ -13,8 +13,10 @@ from torch import nn
 import ddp
 from ddp.buckets import assign_buckets
 from tests.harness import run_ranks
-from tests.test_ddp import backend, pycoll_available  # noqa: F401  (fixture)
-from tests.test_ddp_support import Unused, batches, build, loss_fn, mlp
+from tests.test_ddp import backend  # noqa: F401  (the gloo/pycoll fixture)
+from tests.test_ddp_support import Unused, batches, loss_fn, mlp
+
+pytestmark = pytest.mark.timeout(60)
 
 # ---- assign_buckets: a pure function -------------------------------------------------
 

@@ -316,6 +316,11 @@ def plot_sweep(summary: dict, opts: dict, path: str) -> None:
         ys = [_rate(summary["rates"], "mlp", "ours", be, cap) for cap in opts["sweep"]]
         if any(y is not None for y in ys):
             ax.plot(opts["sweep"], ys, marker="o", label=f"ddp on {be}")
+    refs = [("torch DDP on gloo (25 MB)", _rate(summary["rates"], "mlp", "torch", "gloo"), "--"),
+            ("independent ranks (no communication)", _rate(summary["rates"], "mlp", "independent", None), ":")]
+    for label, y, style in refs:
+        if y is not None:
+            ax.axhline(y, linestyle=style, color="grey", label=label)
     ax.set_xscale("log")
     ax.set_xlabel("bucket_cap_mb")
     ax.set_ylabel("steps/s (25M-parameter MLP)")

@@ -158,9 +158,10 @@ def _work_semantics(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_work_semantics_like_gloo(world):
-    res = run_ranks(_work_semantics, world, backend="pycoll", timeout=50)
+def test_work_semantics_like_gloo(world, transport):
+    res = run_ranks(_work_semantics, world, backend="pycoll", timeout=50, env={"PYCOLL_TRANSPORT": transport})
     _assert_clean(res)
     if world >= 2:
         # the ranks that see the mismatch name both sides' sizes; the others see the abort
@@ -383,8 +384,9 @@ def _subgroups(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(60)
-def test_overlapping_subgroups_interleaved():
-    _assert_clean(run_ranks(_subgroups, 4, backend="pycoll", timeout=50))
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_overlapping_subgroups_interleaved(transport):
+    _assert_clean(run_ranks(_subgroups, 4, backend="pycoll", timeout=50, env={"PYCOLL_TRANSPORT": transport}))
 
 
 # -- monitored barrier ---------------------------------------------------------------------------
@@ -541,9 +543,10 @@ def _noncontig(rank: int, world: int) -> dict:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("world", [1, 3])
-def test_non_contiguous_tensors(world):
-    _assert_clean(run_ranks(_noncontig, world, backend="pycoll", timeout=50))
+def test_non_contiguous_tensors(world, transport):
+    _assert_clean(run_ranks(_noncontig, world, backend="pycoll", timeout=50, env={"PYCOLL_TRANSPORT": transport}))
 
 
 # -- parameters, 0-dim tensors, PREMUL_SUM with a tensor factor, Work.wait(timeout) ------------------

@@ -521,10 +521,13 @@ def _assert_clean(results: list[dict]) -> None:
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("area", ["reductions", "movement"])
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_every_collective_vs_gloo(world, area):
-    """Every collective x dtype x op x size (x root) on pycoll == gloo (== reference)."""
-    _assert_clean(run_ranks(_area, world, area, True, backend="pycoll", timeout=140))
+@pytest.mark.parametrize("world,transport", [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"),
+                                             (2, "tcp"), (4, "tcp")])
+def test_every_collective_vs_gloo(world, transport, area):
+    """Every collective x dtype x op x size (x root) on pycoll == gloo (== reference), on the
+    default path (auto: shared memory here) and on TCP (world 3 on TCP: the forced runs below)."""
+    _assert_clean(run_ranks(_area, world, area, True, backend="pycoll", timeout=140,
+                            env={"PYCOLL_TRANSPORT": transport}))
 
 
 # Every algorithm of every collective at least once, at world sizes 3 and 4, forced with
@@ -563,7 +566,7 @@ def _algo_run(rank: int, world: int, expect: str) -> dict:
 @pytest.mark.parametrize("world", [3, 4])
 def test_forced_algorithms_vs_gloo(world, i):
     algo = _forced(i, world)
-    env = {"PYCOLL_ALGO": algo}
+    env = {"PYCOLL_ALGO": algo, "PYCOLL_TRANSPORT": "tcp"}   # schedules run on the TCP path
     if i % 2:
         env["PYCOLL_SEGMENT_BYTES"] = "4096"
     _assert_clean(run_ranks(_algo_run, world, algo, backend="pycoll", timeout=110, env=env))

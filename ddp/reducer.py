@@ -144,6 +144,7 @@ class Reducer:
         self._used = [False] * len(self.params)
         self._next = 0
         self._works: list[Any] = [None] * len(self.buckets)
+        self._inflight: list[int] = []
         self._recording = self._may_rebuild and not self._rebuilt and self.num_synced_iters == 0
         self.timeline = Timeline(backward_start=_now(),
                                  buckets=[BucketTimes(b.index, b.nbytes) for b in self.buckets])
@@ -173,6 +174,8 @@ class Reducer:
                     view.copy_(grad)
                 if self.grad_as_view:
                     param.grad = view
+        if self._inflight:
+            self._poll()
         self._pending[b] -= 1
         if self._pending[b] == 0:
             self.timeline.buckets[b].ready = _now()
@@ -182,20 +185,30 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        times = self.timeline.buckets[b]
-        times.start = _now()
+        self.timeline.buckets[b].start = _now()
         if self.comm_hook is None:
-            work = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-            self._works[b] = work
-            try:
-                fut = work.get_future()
-            except (RuntimeError, NotImplementedError, AttributeError):
-                return  # no futures on this backend: the end is taken at the wait
+            self._works[b] = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         else:
-            fut = self.comm_hook(self.comm_state, GradBucket(
+            self._works[b] = self.comm_hook(self.comm_state, GradBucket(
                 b, bucket.buffer, bucket.params, bucket.views, b == len(self.buckets) - 1))
-            self._works[b] = fut
-        fut.then(lambda _f, t=times: t.mark_end(_now()))
+        self._inflight.append(b)
+
+    def _poll(self) -> None:
+        """Stamp the end of collectives found complete (an upper bound on the true end).
+
+        Polled from the hooks and at the end of backward, never from a completion callback:
+        a Python callback would make the backend's thread wait for the GIL before it can
+        start the next bucket.
+        """
+        still = []
+        for b in self._inflight:
+            handle = self._works[b]
+            done = handle.is_completed() if hasattr(handle, "is_completed") else handle.done()
+            if done:
+                self.timeline.buckets[b].mark_end(_now())
+            else:
+                still.append(b)
+        self._inflight = still
 
     # ---- end of backward --------------------------------------------------------------
     def _finalize_callback(self) -> None:
@@ -206,6 +219,7 @@ class Reducer:
             self._expect = False
 
     def _finalize(self) -> None:
+        self._poll()
         self.timeline.backward_end = _now()
         missing = [i for i, marked in enumerate(self._marked) if not marked]
         for i in missing:  # keep every rank's collectives matched, then report

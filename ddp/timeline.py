@@ -2,9 +2,10 @@
 
 The reducer fills one ``Timeline`` per synchronised backward (``time.perf_counter``
 seconds). It is how the overlap claim is checked: with several buckets, the early buckets'
-all-reduce should end before ``backward_end``. An ``end`` comes from the collective's
-future callback when the backend offers futures, else from the moment the reducer waited
-on it (later than the truth, never earlier).
+all-reduce should end before ``backward_end``. An ``end`` is the first moment the reducer
+found the collective complete: it polls ``is_completed()`` at every gradient hook, once more
+just before stamping ``backward_end``, and at each wait. So ``end`` may be later than the
+truth, never earlier, and ``end < backward_end`` means "done before backward ended".
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ class BucketTimes:
     end: float = float("nan")      # all-reduce finished
 
     def mark_end(self, now: float) -> None:
-        # The first report wins: a future callback runs before the reducer's own wait.
+        # The first report wins: a poll that found it done comes before the final wait.
         if self.end != self.end:  # NaN check without math import on the hot path
             self.end = now
 

@@ -14,6 +14,11 @@ class PycollError(RuntimeError):
 class CommError(PycollError):
     """A transfer failed; the process group is unusable afterwards (as Gloo's context)."""
 
+    # Set when this error was relayed by a peer's ABORT frame: the rank where the failure
+    # started and its own words, passed on unchanged if this rank relays it further.
+    origin: int = -1
+    root_cause: str | None = None
+
     def __init__(self, msg: str, *, op: str = "", seq: int = -1, rank: int = -1, peer: int = -1):
         super().__init__(msg)
         self.op, self.seq, self.rank, self.peer = op, seq, rank, peer

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import Callable
 
-from . import algorithms
+from . import algorithms, faults
 from .errors import CommError, PycollError
 from .executor import DEFAULT_SEGMENT_BYTES, Executor
 from .p2p import P2PEngine
@@ -50,6 +50,7 @@ class Communicator:
             raise ValueError(f"PYCOLL_TRANSPORT={transport!r}: this build supports 'auto' and 'tcp'")
         coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
         self.transport = TcpTransport(rank, world, coll_socks)
+        self.transport = faults.wrap(self.transport, rank)  # PYCOLL_FAULT, docs/faults.md
         self.p2p = P2PEngine(rank, world, p2p_socks)
         seg = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
         self.executor = Executor(self.transport, seg)
@@ -64,11 +65,14 @@ class Communicator:
         self._worker.start()
 
     # -- submission and execution -----------------------------------------------------
-    def submit(self, op: str, outputs: list, task: Task, inline: bool) -> Work:
+    def submit(self, op: str, outputs: list, task: Task, inline: bool,
+               timeout: float | None = None) -> Work:
+        """Queue ``task``; ``timeout`` (seconds) overrides the group's for this op only."""
         with self._cv:
             if self._closed:
                 raise PycollError(f"{op}: process group has been destroyed")
             work = Work(op, self._seq, outputs, driver=self._drive)
+            work.op_timeout = timeout
             self._seq += 1
             self._queue.append((work, task))
             if not inline:
@@ -103,7 +107,8 @@ class Communicator:
             work.complete(PycollError(f"{work.op} seq {work.seq}: process group is unusable after "
                                       f"an earlier error: {self.error}"))
             return
-        deadline = time.monotonic() + self.timeout
+        faults.before_op(self.transport, work.op, work.seq)
+        deadline = time.monotonic() + (work.op_timeout or self.timeout)
         try:
             task(work.seq, deadline)
         except CommError as exc:

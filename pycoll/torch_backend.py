@@ -61,7 +61,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
             # is per thread and on by default in the worker, so turn it off here.
             with torch.no_grad():
                 task(seq, deadline)
-        return self._comm.submit(op, outputs, run, inline)
+        return self._comm.submit(op, outputs, run, inline, _op_timeout(opts))
 
     # -- reductions ----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
@@ -376,6 +376,12 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return works[-1]  # ops complete in issue order, so the last one finishing covers all
 
 
+
+def _op_timeout(opts) -> float | None:
+    """Seconds of ``opts.timeout`` when the caller set one; None for c10d's unset (-1 ms) or 0."""
+    t = getattr(opts, "timeout", None)
+    secs = t.total_seconds() if t is not None else 0.0
+    return secs if secs > 0 else None
 def _split_counts(t: torch.Tensor, splits, world: int, what: str) -> tuple[int, ...]:
     if t.dim() == 0:
         raise ValueError(f"all_to_all_single: {what} must have at least one dimension")

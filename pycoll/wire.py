@@ -22,7 +22,11 @@ MAX_HEADER_BYTES = 512
 
 # Frame kinds
 DATA = 0
-ABORT = 1
+ABORT = 1   # "I stopped": payload is the UTF-8 reason; sig.redop names the error class,
+            # sig.root the rank where the failure started (it may have been relayed)
+BYE = 2     # "I destroyed my group cleanly": the last frame a rank sends on a connection
+
+MAX_CONTROL_BYTES = 4096  # bound on an ABORT/BYE payload: a receiver never reads more
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +89,17 @@ def decode_header(body: bytes | memoryview) -> Header:
     if nbytes < 0 or numel < 0:
         raise ProtocolError(f"negative size in frame header: {fields!r:.80}")
     return Header(kind, Signature(op, seq, dtype, numel, redop, root), step, seg, nbytes)
+
+
+def control_frame(kind: int, reason: str = "", origin: int = -1, error: str = "") -> bytes:
+    """An ABORT or BYE frame (header plus reason), bounded to ``MAX_CONTROL_BYTES``."""
+    payload = reason.encode("utf-8", "replace")[:MAX_CONTROL_BYTES]
+    sig = Signature("control", -1, "", 0, error[:64], origin)
+    return Header(kind, sig, 0, 0, len(payload)).encode() + payload
+
+
+def control_payload_length(hdr: Header) -> int:
+    """Payload bytes of a control frame; a claim above the bound is a protocol error."""
+    if not 0 <= hdr.nbytes <= MAX_CONTROL_BYTES:
+        raise ProtocolError(f"control frame claims {hdr.nbytes} payload bytes (max {MAX_CONTROL_BYTES})")
+    return hdr.nbytes

@@ -12,8 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..errors import MismatchError, ProtocolError
-from ..wire import ABORT, Header
+from .. import errors
+from ..errors import CommError, MismatchError, PeerClosedError, ProtocolError
+from ..wire import ABORT, BYE, DATA, Header
 
 
 @dataclass(slots=True)
@@ -31,12 +32,40 @@ class InFrame:
     on_done: Callable[[], None] | None = None  # runs before the next frame from this peer
 
 
+_RELAYED = {c.__name__: c for c in (errors.CommTimeoutError, errors.PeerClosedError,
+                                     errors.MismatchError, errors.ProtocolError, errors.CommError)}
+
+
+def control_error(got: Header, payload: bytes, rank: int, peer: int, what: str,
+                  op: str = "", seq: int = -1) -> CommError:
+    """The error a rank raises on reading a peer's ABORT or BYE frame.
+
+    An ABORT carries the original failure's text, class and rank, so every rank of a broken
+    group reports the root cause ("rank 2 died", "collective mismatch: ..."), not merely
+    "rank 1 closed the connection". Only a fixed set of classes can be named; nothing from
+    the wire is evaluated.
+    """
+    if got.kind == BYE:
+        return PeerClosedError(f"{what}: rank {peer} has destroyed its process group (shutdown) "
+                               f"while rank {rank} still expected data from it",
+                               op=op, seq=seq, rank=rank, peer=peer)
+    if got.kind != ABORT:
+        return ProtocolError(f"{what}: rank {rank} got a frame of unknown kind {got.kind} from rank {peer}",
+                             op=op, seq=seq, rank=rank, peer=peer)
+    reason = payload.decode("utf-8", "replace") or "no reason given"
+    cls = _RELAYED.get(got.sig.redop, PeerClosedError)
+    exc = cls(f"{what}: rank {rank} stopped because rank {peer} aborted: {reason}",
+              op=op, seq=seq, rank=rank, peer=peer)
+    exc.origin = got.sig.root if got.sig.root >= 0 else peer
+    exc.root_cause = reason
+    return exc
+
+
 def check_header(expect: Header, got: Header, rank: int, peer: int) -> None:
     """Raise a clear error when a peer's frame is not the one this rank's schedule expects."""
-    if got.kind == ABORT:
-        raise MismatchError(
-            f"rank {peer} aborted {got.sig.describe()} while rank {rank} was in {expect.sig.describe()}",
-            op=expect.sig.op, seq=expect.sig.seq, rank=rank, peer=peer)
+    if got.kind != DATA:
+        raise control_error(got, b"", rank, peer, f"{expect.sig.op} seq {expect.sig.seq}",
+                            expect.sig.op, expect.sig.seq)
     if got.sig != expect.sig:
         raise MismatchError(
             f"collective mismatch: rank {rank} called {expect.sig.describe()} but rank {peer} "
@@ -68,3 +97,8 @@ class Transport:
     def close(self) -> None:
         """Release every resource (idempotent)."""
         raise NotImplementedError
+
+    def sever(self, reason: str) -> None:
+        """Drop every connection abruptly, without telling peers why (fault injection:
+        what a pulled cable or a crash looks like to them). Defaults to ``abort``."""
+        self.abort(reason)

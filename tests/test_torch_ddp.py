@@ -112,3 +112,46 @@ def test_torch_ddp_same_as_gloo(world, names):
     print("\n".join(f for f in out if f.startswith("(timing)")))
     fails = [f for f in out if not f.startswith("(timing)")]
     assert not fails, "\n".join(fails)
+
+
+def _zero_vs_gloo(rank: int, world: int) -> list[str]:
+    """torch's ZeroRedundancyOptimizer (broadcasts from every rank) on pycoll == on gloo;
+    plus groups made with use_local_synchronization and new_subgroups_by_enumeration."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    gloo = dist.new_group(backend="gloo")
+    out = {}
+    for label, group, backend in (("pycoll", None, None), ("gloo", gloo, "gloo")):
+        model = DDP(_model(rank), process_group=group)
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=0.1, momentum=0.9,
+                                      process_group=group)
+        g = torch.Generator().manual_seed(2000 + rank)
+        for _ in range(3):
+            opt.zero_grad()
+            nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 4, generator=g)).backward()
+            opt.step()
+        opt.consolidate_state_dict(to=world - 1)
+        res = [p.detach().clone() for p in model.module.parameters()]
+        if rank < 2:
+            local = dist.new_group([0, 1], use_local_synchronization=True, backend=backend)
+            t = torch.full((2,), float(rank + 1))
+            dist.all_reduce(t, group=local)
+            res.append(t)
+        sub, _ = dist.new_subgroups_by_enumeration([[0], [1]], backend=backend)
+        t = torch.full((2,), float(rank + 1))
+        dist.all_reduce(t, group=sub)
+        res.append(t)
+        out[label] = res
+    torch.set_num_threads(threads)
+    dist.destroy_process_group(gloo)
+    return [f"rank {rank} tensor {i}: max abs diff {(a - b).abs().max().item():.3g}"
+            for i, (a, b) in enumerate(zip(out["pycoll"], out["gloo"])) if not torch.equal(a, b)]
+
+
+@pytest.mark.timeout(60)
+def test_zero_optimizer_and_group_helpers_same_as_gloo():
+    # world 2: a sum of two gradients is one commutative addition, so bitwise equality holds
+    fails = [f for r in run_ranks(_zero_vs_gloo, 2, backend="pycoll", timeout=50) for f in r]
+    assert not fails, "\n".join(fails)

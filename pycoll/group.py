@@ -21,10 +21,13 @@ import time
 from collections import deque
 from typing import Callable
 
-from . import algorithms, faults
+import torch.distributed as dist
+
+from . import algorithms, faults, rendezvous
 from .errors import CommError, PycollError
 from .executor import DEFAULT_SEGMENT_BYTES, Executor
 from .p2p import P2PEngine
+from .transport.shm import ShmArena
 from .transport.tcp import TcpTransport
 from .transport.tcp_mesh import build_mesh
 from .tuning import Tuner
@@ -41,19 +44,45 @@ def cached_schedule(collective: str, algo: str, rank: int, world: int, *args):
     return algorithms.get(collective, algo)(rank, world, *args)
 
 
+MODES = ("auto", "tcp", "shm", "hierarchical")
+
+
+def choose_mode(requested: str, hosts: list[str]) -> str:
+    """PYCOLL_TRANSPORT -> the path this group takes, given each rank's host identity."""
+    requested = requested.lower()
+    if requested not in MODES:
+        raise ValueError(f"PYCOLL_TRANSPORT={requested!r}: choose one of {', '.join(MODES)}")
+    n_hosts = len(set(hosts))
+    if requested == "shm" and n_hosts > 1:
+        raise ValueError(f"PYCOLL_TRANSPORT=shm needs all ranks on one host; they span {n_hosts} hosts")
+    if requested != "auto":
+        return requested
+    if len(hosts) == 1:
+        return "tcp"
+    if n_hosts == 1:
+        return "shm"
+    return "hierarchical" if n_hosts < len(hosts) else "tcp"
+
+
 class Communicator:
     def __init__(self, store, rank: int, world: int, timeout: float, *,
                  algo_overrides: dict[str, str] | None = None) -> None:
         self.rank, self.world, self.timeout = rank, world, timeout
-        transport = os.environ.get("PYCOLL_TRANSPORT", "auto").lower()
-        if transport not in ("auto", "tcp"):
-            raise ValueError(f"PYCOLL_TRANSPORT={transport!r}: this build supports 'auto' and 'tcp'")
+        global_rank = dist.get_rank() if dist.is_initialized() else rank
+        hosts = rendezvous.exchange_all(store, "pycoll/host", rank, world,
+                                        rendezvous.host_identity(global_rank))
+        self.mode = choose_mode(os.environ.get("PYCOLL_TRANSPORT", "auto"), hosts)
         coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
-        self.transport = TcpTransport(rank, world, coll_socks)
-        self.transport = faults.wrap(self.transport, rank)  # PYCOLL_FAULT, docs/faults.md
+        self.tcp = TcpTransport(rank, world, coll_socks)
+        self.transport = faults.wrap(self.tcp, rank)  # PYCOLL_FAULT, docs/faults.md
+        self.arena: ShmArena | None = None
+        self.leaders: list[int] = []
+        self.leader_executor: Executor | None = None
+        self.executor_segment = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
+        self.executor = Executor(self.transport, self.executor_segment)
+        if self.mode != "tcp":
+            self._init_shared_memory(store, hosts, timeout)
         self.p2p = P2PEngine(rank, world, p2p_socks)
-        seg = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
-        self.executor = Executor(self.transport, seg)
         self.tuner = Tuner(world, algo_overrides)
         self.error: BaseException | None = None
         self._seq = 0
@@ -63,6 +92,19 @@ class Communicator:
         self._closed = False
         self._worker = threading.Thread(target=self._work_loop, name=f"pycoll-worker-{rank}", daemon=True)
         self._worker.start()
+
+    def _init_shared_memory(self, store, hosts: list[str], timeout: float) -> None:
+        """Map this host's arena; in hierarchical mode also the leaders' TCP sub-transport."""
+        order = list(dict.fromkeys(hosts))           # hosts in order of their lowest rank
+        local = [r for r in range(self.world) if hosts[r] == hosts[self.rank]]
+        self.arena = ShmArena(store, f"pycoll/shm/{order.index(hosts[self.rank])}", local.index(self.rank),
+                              len(local), local, timeout)
+        self.local_ranks = local
+        self.host_of = [order.index(h) for h in hosts]
+        self.leaders = [next(r for r in range(self.world) if hosts[r] == h) for h in order]
+        if self.mode == "hierarchical" and self.rank in self.leaders:
+            sub = self.tcp.subset(self.leaders)
+            self.leader_executor = Executor(sub, self.executor_segment)
 
     # -- submission and execution -----------------------------------------------------
     def submit(self, op: str, outputs: list, task: Task, inline: bool,
@@ -114,6 +156,8 @@ class Communicator:
         except CommError as exc:
             self.error = exc
             self.transport.abort(str(exc))
+            if self.arena is not None:
+                self.arena.abort()
             log.error("pycoll rank %d: %s", self.rank, exc)
             work.complete(exc)
         except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
@@ -131,10 +175,15 @@ class Communicator:
             self._drive(None)
 
     def run_schedule(self, collective: str, nbytes: int, args: tuple, bufs: dict, sig,
-                     reduction, deadline: float) -> None:
-        algo = self.tuner.choose(collective, nbytes)
-        sched = cached_schedule(collective, algo, self.rank, self.world, *args)
-        self.executor.run(sched, bufs, sig, reduction, deadline)
+                     reduction, deadline: float, leaders_only: bool = False) -> None:
+        """Run the tuner's algorithm over TCP: all ranks, or (``leaders_only``) the host leaders."""
+        if leaders_only:
+            world, rank, executor = len(self.leaders), self.leaders.index(self.rank), self.leader_executor
+        else:
+            world, rank, executor = self.world, self.rank, self.executor
+        algo = self.tuner.choose(collective, nbytes, world)
+        sched = cached_schedule(collective, algo, rank, world, *args)
+        executor.run(sched, bufs, sig, reduction, deadline)
 
     # -- lifecycle -------------------------------------------------------------------
     def shutdown(self, abort: bool = False) -> None:
@@ -148,3 +197,5 @@ class Communicator:
             self._worker.join(self.timeout if not abort else 5)
         self.p2p.close()
         self.transport.close()
+        if self.arena is not None:
+            self.arena.close()

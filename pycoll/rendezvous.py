@@ -49,11 +49,16 @@ def local_address() -> str:
     return "127.0.0.1"
 
 
-def host_identity() -> str:
-    """Which host this rank runs on: hostname + boot id (PYCOLL_HOST_ID overrides, for tests)."""
+def host_identity(global_rank: int) -> str:
+    """Which host this rank runs on: hostname + boot id.
+
+    PYCOLL_HOST_ID overrides it, to emulate several hosts on one: either one name, or a
+    comma-separated list of names indexed by global rank (``"a,a,b,b"``: 2 hosts x 2 ranks).
+    """
     override = os.environ.get("PYCOLL_HOST_ID")
     if override:
-        return override
+        names = override.split(",")
+        return names[global_rank % len(names)] if len(names) > 1 else override
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
             boot = f.read().strip()

@@ -54,11 +54,11 @@ class Tuner:
         self.overrides = dict(parse_overrides(os.environ.get("PYCOLL_ALGO")))
         self.overrides.update(overrides or {})
 
-    def choose(self, collective: str, nbytes: int) -> str:
+    def choose(self, collective: str, nbytes: int, world: int | None = None) -> str:
         name = self.overrides.get(collective)
         if name is not None:
             return name
-        if self.world <= 2 and collective in SMALL_WORLD:
+        if (world or self.world) <= 2 and collective in SMALL_WORLD:
             return SMALL_WORLD[collective]
         for bound, algo in RULES[collective]:
             if nbytes <= bound:

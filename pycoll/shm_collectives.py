@@ -1,0 +1,225 @@
+"""Collectives of the ranks of one host, directly in shared memory.
+
+Every collective runs in rounds over the double-buffered staging slots of an ``ShmArena``
+(a round moves at most one slot of data per rank, so a 1 GiB tensor needs no 1 GiB of
+/dev/shm). The one rule that makes two slot halves enough: a rank reads the slots of round
+k only between round k's first barrier and its own next barrier, and writes a slot half
+only after a barrier of the round before; so no write can overtake a peer's read.
+
+- all_reduce, small (<= ONE_SHOT_BYTES): each rank writes its input, one barrier, each rank
+  reduces all inputs in rank order (bitwise the same result everywhere). 1 barrier.
+- all_reduce, large: write input, barrier, rank r reduces slice r of every input in place
+  in its own slot (an in-memory reduce-scatter), barrier, every rank copies all reduced
+  slices out (an in-memory all-gather). 2 barriers a round; each rank reads ~2n bytes.
+- reduce: as large all_reduce, only the root copies out.
+- broadcast / scatter: the root writes, barrier, the others copy out.
+- all_gather / gather: each writes, barrier, each (or the root) copies all out.
+- reduce_scatter: each rank writes block q of its input into region q of its slot, barrier,
+  rank r reduces region r of every slot into its output.
+- all_to_all: each rank writes block q into region q of its slot, barrier, rank r copies
+  region r of every slot.
+- barrier: a barrier.
+
+The first barrier of every collective also checks that all local ranks published the same
+signature (collective, sequence number, dtype, size, op, root), so a mismatch is an error
+on every rank, never a hang or a wrong result.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+
+from .algorithms.schedule import chunks, displacements
+from .reduce_ops import Reduction
+from .transport.shm import ShmArena
+
+ONE_SHOT_BYTES = 64 << 10
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
+       "all_to_all", "barrier")
+DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+REDOPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor", "avg", "premul_sum")
+
+
+def signature(op: str, seq: int, dtype: torch.dtype, numel: int, redop: str = "", root: int = -1,
+              extra: int = 0) -> tuple[int, ...]:
+    return (OPS.index(op), seq, DTYPES.index(dtype), numel, REDOPS.index(redop), root, extra)
+
+
+def describe(words: tuple[int, ...]) -> str:
+    op, seq, dt, numel, red, root, _ = words
+    try:
+        text = f"{OPS[op]}(seq={seq}, dtype={str(DTYPES[dt]).removeprefix('torch.')}, numel={numel}"
+    except IndexError:
+        return f"<unknown collective {words}>"
+    return text + (f", op={REDOPS[red]}" if red else "") + (f", root={root}" if root >= 0 else "") + ")"
+
+
+def counts_hash(counts) -> int:
+    return zlib.crc32(repr(tuple(counts)).encode())
+
+
+def _rounds(n: int, cap: int):
+    """(offset, count) of each round; a zero-size collective still has one round."""
+    if n == 0:
+        yield 0, 0
+        return
+    for off in range(0, n, cap):
+        yield off, min(cap, n - off)
+
+
+class _Barriers:
+    """The first barrier of a collective also checks everyone's signature."""
+
+    def __init__(self, arena: ShmArena, words: tuple[int, ...], deadline: float, what: str) -> None:
+        self.arena, self.words, self.deadline, self.what = arena, words, deadline, what
+        self.first = True
+        arena.publish(words)
+
+    def __call__(self) -> None:
+        self.arena.sync(self.deadline, self.what)
+        if self.first:
+            self.first = False
+            self.arena.check_signatures(self.words, describe)
+
+
+def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float, what: str) -> None:
+    L, me, dt = arena.size, arena.me, t.dtype
+    barrier = _Barriers(arena, words, deadline, what)
+    n = t.numel()
+    if n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):
+        p = arena.next_parity()
+        arena.slot(me, p, dt)[:n].copy_(t)
+        barrier()
+        t.copy_(arena.slot(0, p, dt)[:n])
+        for q in range(1, L):
+            red.kernel(t, arena.slot(q, p, dt)[:n])
+        return
+    for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
+        p = arena.next_parity()
+        slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
+        slots[me].copy_(t[off:off + c])
+        barrier()
+        bounds = chunks(c, L)
+        lo, size = bounds[me]
+        acc = slots[me][lo:lo + size]
+        for q in range(L):
+            if q != me:
+                red.kernel(acc, slots[q][lo:lo + size])
+        barrier()
+        for q, (lo, size) in enumerate(bounds):
+            t[off + lo:off + lo + size].copy_(slots[q][lo:lo + size])
+
+
+def reduce(arena: ShmArena, src: torch.Tensor, out: torch.Tensor | None, root: int, red: Reduction,
+           words, deadline: float, what: str) -> None:
+    """``src`` is this rank's contribution; the root's result goes to ``out``."""
+    L, me, dt = arena.size, arena.me, src.dtype
+    barrier = _Barriers(arena, words, deadline, what)
+    for off, c in _rounds(src.numel(), arena.slot_bytes // dt.itemsize):
+        p = arena.next_parity()
+        slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
+        slots[me].copy_(src[off:off + c])
+        barrier()
+        bounds = chunks(c, L)
+        lo, size = bounds[me]
+        for q in range(L):
+            if q != me:
+                red.kernel(slots[me][lo:lo + size], slots[q][lo:lo + size])
+        barrier()
+        if me == root:
+            for q, (lo, size) in enumerate(bounds):
+                out[off + lo:off + lo + size].copy_(slots[q][lo:lo + size])
+
+
+def broadcast(arena: ShmArena, t: torch.Tensor, root: int, words, deadline: float, what: str) -> None:
+    barrier = _Barriers(arena, words, deadline, what)
+    for off, c in _rounds(t.numel(), arena.slot_bytes // t.dtype.itemsize):
+        p = arena.next_parity()
+        slot = arena.slot(root, p, t.dtype)[:c]
+        if arena.me == root:
+            slot.copy_(t[off:off + c])
+        barrier()
+        if arena.me != root:
+            t[off:off + c].copy_(slot)
+
+
+def all_gather(arena: ShmArena, out: torch.Tensor | None, inp: torch.Tensor, root: int, words,
+               deadline: float, what: str) -> None:
+    """All-gather (``root`` < 0) or gather to ``root``: block q of ``out`` is rank q's input."""
+    L, me, dt, n = arena.size, arena.me, inp.dtype, inp.numel()
+    barrier = _Barriers(arena, words, deadline, what)
+    for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
+        p = arena.next_parity()
+        arena.slot(me, p, dt)[:c].copy_(inp[off:off + c])
+        barrier()
+        if root < 0 or me == root:
+            for q in range(L):
+                out[q * n + off:q * n + off + c].copy_(arena.slot(q, p, dt)[:c])
+
+
+def scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor | None, root: int, words,
+            deadline: float, what: str) -> None:
+    L, me, dt, n = arena.size, arena.me, out.dtype, out.numel()
+    barrier = _Barriers(arena, words, deadline, what)
+    region = arena.slot_bytes // dt.itemsize // L
+    for off, c in _rounds(n, region):
+        p = arena.next_parity()
+        slot = arena.slot(root, p, dt)
+        if me == root:
+            for q in range(L):
+                slot[q * region:q * region + c].copy_(inp[q * n + off:q * n + off + c])
+        barrier()
+        out[off:off + c].copy_(slot[me * region:me * region + c])
+
+
+def reduce_scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, counts: tuple[int, ...],
+                   red: Reduction, words, deadline: float, what: str) -> None:
+    L, me, dt = arena.size, arena.me, inp.dtype
+    barrier = _Barriers(arena, words, deadline, what)
+    region = arena.slot_bytes // dt.itemsize // L
+    disp = displacements(list(counts))
+    for off, _ in _rounds(max(counts, default=0), region):
+        p = arena.next_parity()
+        mine = arena.slot(me, p, dt)
+        for q in range(L):
+            c = max(0, min(region, counts[q] - off))
+            mine[q * region:q * region + c].copy_(inp[disp[q] + off:disp[q] + off + c])
+        barrier()
+        c = max(0, min(region, counts[me] - off))
+        seg = out[off:off + c]
+        seg.copy_(arena.slot(0, p, dt)[me * region:me * region + c])
+        for q in range(1, L):
+            red.kernel(seg, arena.slot(q, p, dt)[me * region:me * region + c])
+
+
+def all_to_all(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, send_counts: tuple[int, ...],
+               recv_counts: tuple[int, ...], words, deadline: float, what: str) -> None:
+    L, me, dt = arena.size, arena.me, inp.dtype
+    barrier = _Barriers(arena, words, deadline, what)
+    # Word 7 (not compared) carries each rank's largest block: all ranks need the global
+    # maximum to agree on the number of rounds.
+    arena.publish(words + (max(send_counts, default=0),), new_op=False)
+    region = arena.slot_bytes // dt.itemsize // L
+    sdisp, rdisp = displacements(list(send_counts)), displacements(list(recv_counts))
+    off, rounds = 0, 1
+    while off == 0 or off < rounds * region:
+        p = arena.next_parity()
+        mine = arena.slot(me, p, dt)
+        for q in range(L):
+            c = max(0, min(region, send_counts[q] - off))
+            mine[q * region:q * region + c].copy_(inp[sdisp[q] + off:sdisp[q] + off + c])
+        barrier()
+        if off == 0:
+            gmax = max(arena.peer_word(q, 7) for q in range(L))
+            rounds = max(1, -(-gmax // region))
+        for q in range(L):
+            c = max(0, min(region, recv_counts[q] - off))
+            out[rdisp[q] + off:rdisp[q] + off + c].copy_(arena.slot(q, p, dt)[me * region:me * region + c])
+        off += region
+
+
+def barrier(arena: ShmArena, words, deadline: float, what: str) -> None:
+    _Barriers(arena, words, deadline, what)()

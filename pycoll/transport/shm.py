@@ -1,0 +1,229 @@
+"""Shared-memory arena for the ranks of one host: a /dev/shm segment plus futex-based sync.
+
+Layout: one 128-byte control line per local rank (its sync epoch, abort flag, pid and the
+signature of the collective it is in), then two staging slots per rank (double-buffered:
+a round writes one parity while peers may still read the other).
+
+Lifetime: local rank 0 creates the segment 0600 with a random name under /dev/shm and
+publishes the name through the Store; every local rank maps it and says so through the
+Store; rank 0 then unlinks it. From that moment the memory lives only as long as the
+mappings, so ``kill -9`` of any rank at any time leaves nothing in /dev/shm.
+
+Sync: ``sync()`` is a barrier over epochs. Each rank owns its epoch word (single writer, so
+a plain store suffices on x86's ordered stores) and wakes waiters with FUTEX_WAKE. A
+waiter spins briefly, then blocks in FUTEX_WAIT in slices of 50 ms, between which it checks
+the deadline, peers' abort flags and whether the peer's process still exists. A rank
+blocked in a barrier therefore uses no CPU, and a dead peer is noticed within 50 ms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import secrets
+import time
+
+import numpy as np
+import torch
+
+from ..errors import CommTimeoutError, MismatchError, PeerClosedError
+
+LINE = 256                  # bytes of control per rank
+SIG_WORDS = 8               # int64 signature words per slot; two slots at bytes 64 and 128
+ABORTED = 0x7FFFFFFF        # epoch value that means "this rank aborted"
+DEFAULT_SLOT_BYTES = 4 << 20
+WAIT_SLICE = 0.05
+
+_SYS_FUTEX = 202            # x86-64
+_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _futex_wait(addr: int, expected: int, seconds: float) -> None:
+    ts = _Timespec(int(seconds), int((seconds % 1) * 1e9))
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_int(expected),
+                  ctypes.byref(ts), None, 0)
+
+
+def _futex_wake(addr: int) -> None:
+    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, ctypes.c_int(0x7FFFFFFF), None, None, 0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
+
+
+class ShmArena:
+    """Shared staging memory and barriers for ``size`` ranks of one host (local ranks)."""
+
+    def __init__(self, store, key: str, local_rank: int, size: int, ranks: list[int],
+                 timeout: float, slot_bytes: int | None = None) -> None:
+        self.me, self.size, self.ranks = local_rank, size, ranks  # ranks: group rank of each local rank
+        slot = slot_bytes or int(os.environ.get("PYCOLL_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+        self.slot_bytes = max(4096, slot // 4096 * 4096)
+        self.ctrl_bytes = -(-size * LINE // 4096) * 4096
+        total = self.ctrl_bytes + 2 * size * self.slot_bytes
+        self.mm = _map_segment(store, key, local_rank, size, total, timeout)
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
+        self._ctrl = np.frombuffer(self.mm, dtype=np.int32, count=self.ctrl_bytes // 4)
+        self._sig = np.frombuffer(self.mm, dtype=np.int64, count=self.ctrl_bytes // 8)
+        self._slots = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.ctrl_bytes,
+                                       count=2 * size * self.slot_bytes)
+        self.epoch = 0
+        self.spin = 2000 if size <= (os.cpu_count() or 1) else 0
+        w = self.me * LINE // 4
+        self._ctrl[w + 2] = os.getpid()
+        self.closed = False
+        self.pids: list[int] | None = None
+        self._typed: dict = {}
+        self.rounds = 0
+        self.ops = 0
+        self.sync(time.monotonic() + timeout, "shm init")  # everyone's pid is visible after this
+        self.pids = [int(self._ctrl[r * LINE // 4 + 2]) for r in range(size)]
+
+    # -- data ----------------------------------------------------------------------------
+    def slot(self, rank: int, parity: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """The staging slot of local rank ``rank`` for round parity ``parity``, typed."""
+        key = (rank, parity, dtype)
+        view = self._typed.get(key)
+        if view is None:
+            start = (2 * rank + parity) * self.slot_bytes
+            view = self._slots[start:start + self.slot_bytes].view(dtype)
+            self._typed[key] = view
+        return view
+
+    def next_parity(self) -> int:
+        """Rounds alternate between the two slot halves (see shm_collectives for why)."""
+        self.rounds += 1
+        return self.rounds & 1
+
+    # -- signatures ----------------------------------------------------------------------
+    def publish(self, words: tuple[int, ...], new_op: bool = True) -> None:
+        """Publish this rank's signature for its next collective.
+
+        Signatures alternate between two slots by collective: a rank may publish its next
+        signature as soon as it leaves a collective, while a slower peer still checks the
+        current one; it reuses that slot only after the next collective's first barrier.
+        """
+        if new_op:
+            self.ops += 1
+        base = self._sig_base(self.me)
+        self._sig[base:base + len(words)] = words
+
+    def _sig_base(self, rank: int) -> int:
+        return rank * LINE // 8 + 8 + (self.ops & 1) * SIG_WORDS
+
+    def peer_word(self, rank: int, index: int) -> int:
+        """Signature word ``index`` that local rank ``rank`` published for this collective."""
+        return int(self._sig[self._sig_base(rank) + index])
+
+    def check_signatures(self, words: tuple[int, ...], describe) -> None:
+        """After a sync: raise MismatchError if any local rank published other words."""
+        n = len(words)
+        for r in range(self.size):
+            base = self._sig_base(r)
+            theirs = tuple(int(x) for x in self._sig[base:base + n])
+            if theirs != words:
+                raise MismatchError(f"collective mismatch: rank {self.ranks[self.me]} called "
+                                    f"{describe(words)} but rank {self.ranks[r]} called {describe(theirs)}",
+                                    rank=self.ranks[self.me], peer=self.ranks[r])
+
+    # -- sync ----------------------------------------------------------------------------
+    def sync(self, deadline: float, what: str) -> None:
+        """Barrier of all local ranks (every rank calls sync the same number of times)."""
+        self.epoch += 1
+        target = self.epoch
+        me_word = self.me * LINE // 4
+        if self._ctrl[me_word] == ABORTED:
+            raise PeerClosedError(f"{what}: shared-memory group was aborted", rank=self.ranks[self.me])
+        self._ctrl[me_word] = target
+        _futex_wake(self._base + me_word * 4)
+        ctrl = self._ctrl
+        for r in range(self.size):
+            if r == self.me:
+                continue
+            word = r * LINE // 4
+            spins = 0
+            while True:
+                v = int(ctrl[word])
+                if v >= target:
+                    if v == ABORTED:
+                        raise PeerClosedError(f"{what}: rank {self.ranks[r]} aborted the group",
+                                              rank=self.ranks[self.me], peer=self.ranks[r])
+                    break
+                if spins < self.spin:
+                    spins += 1
+                    continue
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CommTimeoutError(f"{what}: rank {self.ranks[self.me]} timed out waiting for "
+                                           f"rank {self.ranks[r]} in shared memory (it is at sync "
+                                           f"{v}, this rank at {target})",
+                                           rank=self.ranks[self.me], peer=self.ranks[r])
+                _futex_wait(self._base + word * 4, v, min(left, WAIT_SLICE))
+                if self.pids is not None and int(ctrl[word]) == v and not _alive(self.pids[r]):
+                    raise PeerClosedError(f"{what}: rank {self.ranks[r]} (pid {self.pids[r]}) died",
+                                          rank=self.ranks[self.me], peer=self.ranks[r])
+
+    def abort(self) -> None:
+        if self.closed:
+            return
+        w = self.me * LINE // 4
+        self._ctrl[w] = ABORTED
+        _futex_wake(self._base + w * 4)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        # The numpy/torch/ctypes views export the mmap's buffer; drop them before closing.
+        del self._ctrl, self._sig, self._slots
+        self._typed.clear()
+        try:
+            self.mm.close()
+        except BufferError:
+            pass  # a caller still holds a slot view; the mapping goes with the process
+
+
+def _map_segment(store, key: str, local_rank: int, size: int, total: int, timeout: float) -> mmap.mmap:
+    if local_rank == 0:
+        name = f"/dev/shm/pycoll-{os.getpid()}-{secrets.token_hex(8)}"
+        fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, total)
+            mm = mmap.mmap(fd, total)
+            store.set(f"{key}/name", name)
+            # Unlink as soon as every local rank has it mapped: from then on a crash of
+            # any rank leaves nothing behind in /dev/shm.
+            store.add(f"{key}/mapped", 1)
+            deadline = time.monotonic() + timeout
+            while store.add(f"{key}/mapped", 0) < size:
+                if time.monotonic() > deadline:
+                    raise CommTimeoutError(f"shm init: local ranks did not map the segment within {timeout} s")
+                time.sleep(0.001)
+        finally:
+            os.close(fd)
+            try:
+                os.unlink(name)
+            except FileNotFoundError:
+                pass
+        return mm
+    name = store.get(f"{key}/name").decode()
+    fd = os.open(name, os.O_RDWR)
+    try:
+        mm = mmap.mmap(fd, total)
+    finally:
+        os.close(fd)
+    store.add(f"{key}/mapped", 1)
+    return mm

@@ -213,19 +213,18 @@ def run_ranks(fn_name: str, world: int, opts: dict, timeout_s: float, fresh: boo
 
 
 # ---- report ---------------------------------------------------------------------------
-def _median_rate(per_rank: list[list], steps: int) -> float | None:
-    """Steps/s, median over rounds, each round timed by its slowest rank."""
-    rounds = [max(t for t in ts if t is not None) for ts in zip(*per_rank)]
-    return statistics.median(steps / t for t in rounds) if rounds else None
+def _round_rates(per_rank: list[list], steps: int) -> list[float]:
+    """Steps/s of each round, each round timed by its slowest rank."""
+    return [steps / max(t for t in ts if t is not None) for ts in zip(*per_rank)]
 
 
 def summarise(results: list[dict], opts: dict) -> dict:
-    keys = results[0]["times"].keys()
-    rates = {}
-    for key in keys:
-        rates[key] = _median_rate([r["times"][key] for r in results], opts["steps"])
+    per_round = {key: _round_rates([r["times"][key] for r in results], opts["steps"])
+                 for key in results[0]["times"]}
+    rates = {key: statistics.median(v) if v else None for key, v in per_round.items()}
     notes = [r["note"] for r in results if r["note"]]
-    return {"rates": rates, "pycoll": results[0]["pycoll"], "note": notes[0] if notes else ""}
+    return {"rates": rates, "per_round": per_round, "pycoll": results[0]["pycoll"],
+            "note": notes[0] if notes else ""}
 
 
 def _rate(rates: dict, m: str, impl: str, be, cap=None) -> float | None:

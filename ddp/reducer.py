@@ -217,6 +217,7 @@ class Reducer:
         finally:
             self._active = False
             self._expect = False
+            self._works, self._inflight = [], []  # a Work holds its tensors: let old ones go
 
     def _finalize(self) -> None:
         self._poll()
@@ -239,7 +240,6 @@ class Reducer:
             self.num_synced_iters += 1
             raise RuntimeError(self._missing_message(missing))
         self._write_back()
-        self._works = []  # a Work holds its tensors; do not keep old buffers alive
         self.num_synced_iters += 1
         if self._recording:
             seen = set(self._order)

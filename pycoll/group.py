@@ -24,7 +24,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from . import algorithms, faults, rendezvous
-from .errors import CommError, PycollError
+from .errors import PycollError
 from .executor import DEFAULT_SEGMENT_BYTES, Executor
 from .p2p import P2PEngine
 from .transport.shm import ShmArena
@@ -153,14 +153,15 @@ class Communicator:
         deadline = time.monotonic() + (work.op_timeout or self.timeout)
         try:
             task(work.seq, deadline)
-        except CommError as exc:
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            # Arguments were validated before submission, so any failure here happened
+            # mid-collective: peers may be waiting for frames that will never come. The
+            # group is broken and the transports are aborted so that they fail fast too.
             self.error = exc
             self.transport.abort(str(exc))
             if self.arena is not None:
                 self.arena.abort()
             log.error("pycoll rank %d: %s", self.rank, exc)
-            work.complete(exc)
-        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
             work.complete(exc)
         else:
             work.complete()

@@ -107,7 +107,7 @@ class _Pool:
             p.join(max(0.0, deadline - time.monotonic()))
         self.kill_all()
 
-    def run(self, fn, world, args, backend, timeout, env):
+    def run(self, fn, world, args, backend, timeout, env, may_die=()):
         import torch.distributed as dist
 
         self.ensure(world)
@@ -131,6 +131,8 @@ class _Pool:
                     status, value = conn.recv()
                 except EOFError:
                     status, value = "err", "worker process died"
+                if rank in may_die and status == "err" and value == "worker process died":
+                    status, value = "ok", "died"
                 if status == "ok":
                     results[rank] = value
                 else:
@@ -139,7 +141,10 @@ class _Pool:
                 proc = workers[rank][0]
                 if not proc.is_alive():
                     pending.pop(rank_conn)
-                    errors.append(f"rank {rank} process died (exit code {proc.exitcode})")
+                    if rank in may_die:
+                        results[rank] = "died"
+                    else:
+                        errors.append(f"rank {rank} process died (exit code {proc.exitcode})")
         if errors:
             # Give the other ranks a moment to report their own errors: the first error is
             # often a consequence, the root cause sits in another rank.
@@ -155,6 +160,8 @@ class _Pool:
                         pass
             self.kill_all()
             raise RankFailure("\n".join(errors))
+        if may_die:
+            self.kill_all()  # a rank died as the test intended: rebuild the pool next time
         return results
 
 
@@ -162,13 +169,17 @@ _POOL: _Pool | None = None
 
 
 def run_ranks(fn, world_size: int, *args, backend: str | None = None, timeout: float = 60,
-              env: dict | None = None) -> list:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` pooled ranks; return results by rank."""
+              env: dict | None = None, may_die: tuple[int, ...] = ()) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` pooled ranks; return results by rank.
+
+    Ranks in ``may_die`` are allowed to die (tests of dead peers kill them on purpose);
+    their result is the string "died".
+    """
     global _POOL
     if _POOL is None:
         _POOL = _Pool()
         atexit.register(_shutdown)
-    return _POOL.run(fn, world_size, args, backend, timeout, env)
+    return _POOL.run(fn, world_size, args, backend, timeout, env, tuple(may_die))
 
 
 def _shutdown() -> None:

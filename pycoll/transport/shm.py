@@ -1,7 +1,7 @@
 """Shared-memory arena for the ranks of one host: a /dev/shm segment plus futex-based sync.
 
-Layout: one 128-byte control line per local rank (its sync epoch, abort flag, pid and the
-signature of the collective it is in), then two staging slots per rank (double-buffered:
+Layout: one 256-byte control line per local rank (its sync epoch, abort flag, pid and the
+signatures of its current and previous collective), then two staging slots per rank (double-buffered:
 a round writes one parity while peers may still read the other).
 
 Lifetime: local rank 0 creates the segment 0600 with a random name under /dev/shm and
@@ -31,7 +31,6 @@ from ..errors import CommTimeoutError, MismatchError, PeerClosedError
 
 LINE = 256                  # bytes of control per rank
 SIG_WORDS = 8               # int64 signature words per slot; two slots at bytes 64 and 128
-ABORTED = 0x7FFFFFFF        # epoch value that means "this rank aborted"
 DEFAULT_SLOT_BYTES = 4 << 20
 WAIT_SLICE = 0.05
 
@@ -129,15 +128,18 @@ class ShmArena:
         return int(self._sig[self._sig_base(rank) + index])
 
     def check_signatures(self, words: tuple[int, ...], describe) -> None:
-        """After a sync: raise MismatchError if any local rank published other words."""
+        """After a sync: raise MismatchError naming every local rank that published other words."""
         n = len(words)
+        others = {}
         for r in range(self.size):
             base = self._sig_base(r)
             theirs = tuple(int(x) for x in self._sig[base:base + n])
             if theirs != words:
-                raise MismatchError(f"collective mismatch: rank {self.ranks[self.me]} called "
-                                    f"{describe(words)} but rank {self.ranks[r]} called {describe(theirs)}",
-                                    rank=self.ranks[self.me], peer=self.ranks[r])
+                others[self.ranks[r]] = f"rank {self.ranks[r]} called {describe(theirs)}"
+        if others:
+            raise MismatchError(f"collective mismatch: rank {self.ranks[self.me]} called {describe(words)} "
+                                f"but " + ", ".join(others.values()), rank=self.ranks[self.me],
+                                peer=next(iter(others)))
 
     # -- sync ----------------------------------------------------------------------------
     def sync(self, deadline: float, what: str) -> None:
@@ -145,7 +147,7 @@ class ShmArena:
         self.epoch += 1
         target = self.epoch
         me_word = self.me * LINE // 4
-        if self._ctrl[me_word] == ABORTED:
+        if self._ctrl[me_word + 1]:
             raise PeerClosedError(f"{what}: shared-memory group was aborted", rank=self.ranks[self.me])
         self._ctrl[me_word] = target
         _futex_wake(self._base + me_word * 4)
@@ -158,10 +160,10 @@ class ShmArena:
             while True:
                 v = int(ctrl[word])
                 if v >= target:
-                    if v == ABORTED:
-                        raise PeerClosedError(f"{what}: rank {self.ranks[r]} aborted the group",
-                                              rank=self.ranks[self.me], peer=self.ranks[r])
                     break
+                if ctrl[word + 1]:
+                    raise PeerClosedError(f"{what}: rank {self.ranks[r]} aborted the group",
+                                          rank=self.ranks[self.me], peer=self.ranks[r])
                 if spins < self.spin:
                     spins += 1
                     continue
@@ -179,8 +181,10 @@ class ShmArena:
     def abort(self) -> None:
         if self.closed:
             return
+        # A separate abort word, so that a peer still reading this rank's epoch for a
+        # barrier it legitimately passed is not misled; the wake makes waiters re-check.
         w = self.me * LINE // 4
-        self._ctrl[w] = ABORTED
+        self._ctrl[w + 1] = 1
         _futex_wake(self._base + w * 4)
 
     def close(self) -> None:

@@ -1,0 +1,195 @@
+"""Shared-memory path: segment lifetime, blocking waits, dead peers, mismatches, many rounds, memory.
+
+Ranks run on the reused pool (tests/harness.py); every group here is on one host, so the
+default transport is shared memory. Each test says which path it forces, if any.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import rank_store, run_ranks
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _my_segments(pid: int) -> list[str]:
+    return [n for n in os.listdir("/dev/shm") if n.startswith(f"pycoll-{pid}-")]
+
+
+def _segments_after_init(rank, world):
+    pg = dist.distributed_c10d._get_default_group()
+    t = torch.ones(10)
+    dist.all_reduce(t)
+    return pg._comm.mode, os.getpid(), _my_segments(os.getpid())
+
+
+def test_segment_is_unlinked_once_mapped():
+    res = run_ranks(_segments_after_init, 3, backend="pycoll")
+    assert [r[0] for r in res] == ["shm"] * 3
+    assert all(r[2] == [] for r in res), res
+    assert not any(_my_segments(r[1]) for r in res)
+
+
+def _barrier_cpu(rank, world):
+    dist.barrier()
+    if rank == 1:
+        time.sleep(1.0)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    dist.barrier()
+    return time.process_time() - cpu0, time.monotonic() - wall0
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_blocked_barrier_uses_no_cpu(world):
+    res = run_ranks(_barrier_cpu, world, backend="pycoll")
+    cpu, wall = res[0]
+    assert wall > 0.9, res
+    assert cpu < 0.05 * wall, f"rank 0 used {cpu:.3f} s of CPU in a {wall:.2f} s barrier"
+
+
+def _die_in_collective(rank, world, victim, nbytes):
+    store = rank_store()
+    t = torch.ones(nbytes // 4)
+    dist.all_reduce(t)
+    if rank == victim:
+        def kill():
+            time.sleep(0.05)
+            store.set("killed_at", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Thread(target=kill, daemon=True).start()
+    try:
+        for _ in range(100000):
+            dist.all_reduce(t)
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        failed_at = time.time()
+        killed_at = float(store.get("killed_at"))
+        return failed_at - killed_at, f"{type(exc).__name__}: {exc}"
+    return None
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+@pytest.mark.parametrize("world,victim", [(2, 1), (3, 0), (4, 2)])
+def test_kill9_inside_a_collective(transport, world, victim):
+    res = run_ranks(_die_in_collective, world, victim, 1 << 20, backend="pycoll",
+                    env={"PYCOLL_TRANSPORT": transport}, may_die=(victim,))
+    assert res[victim] == "died"
+    for rank, r in enumerate(res):
+        if rank == victim:
+            continue
+        assert r is not None, f"rank {rank} never saw the failure"
+        delay, text = r
+        assert delay < 2.0, f"rank {rank} raised {delay:.2f} s after the kill: {text}"
+        assert f"rank {victim}" in text, f"rank {rank}'s error does not name rank {victim}: {text}"
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("pycoll-")]
+
+
+def _mismatch(rank, world):
+    try:
+        if rank == 1:
+            dist.broadcast(torch.ones(10), src=0)
+        else:
+            dist.all_reduce(torch.ones(10 + rank))
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_mismatch_is_reported_on_every_rank():
+    res = run_ranks(_mismatch, 3, backend="pycoll", env={"PYCOLL_TRANSPORT": "shm"})
+    for text in res:
+        assert "MismatchError" in text and "broadcast" in text and "all_reduce" in text, res
+
+
+def _many_rounds(rank, world):
+    """Every shared-memory collective with 4 KiB slots (many rounds), checked against gloo."""
+    gloo = dist.new_group(backend="gloo")
+    gen = torch.Generator().manual_seed(rank)
+    checks = []
+
+    def both(fn):
+        a, b = fn(None), fn(gloo)
+        checks.append(all(torch.equal(x, y) for x, y in zip(a, b)))
+
+    n = 5003
+    x = torch.randint(-50, 50, (n,), generator=gen, dtype=torch.int64)
+    both(lambda g: [_ret(dist.all_reduce, x.clone(), group=g)])
+    both(lambda g: [_ret(dist.all_reduce, x.clone(), op=dist.ReduceOp.MAX, group=g)])
+    both(lambda g: [_ret(dist.broadcast, x.clone(), src=world - 1, group=g)])
+    both(lambda g: [_ret(dist.reduce, x.clone(), dst=1, group=g)[0:(x.numel() if rank == 1 else 0)]])
+    both(lambda g: _gathered(x, world, g))
+    both(lambda g: _rs(x, world, g))
+    both(lambda g: _a2a(rank, world, g))
+    both(lambda g: _gather_scatter(rank, world, x, g))
+    return checks
+
+
+def _ret(fn, t, **kw):
+    fn(t, **kw)
+    return t
+
+
+def _gathered(x, world, g):
+    out = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(out, x, group=g)
+    return out
+
+
+def _rs(x, world, g):
+    out = torch.empty(x.numel() // world * 1, dtype=x.dtype)
+    inp = x[: out.numel() * world].clone()
+    dist.reduce_scatter_tensor(out, inp, group=g)
+    return [out]
+
+
+def _a2a(rank, world, g):
+    send = [1000 * (r + 1) + 7 * rank for r in range(world)]
+    recv = [1000 * (rank + 1) + 7 * r for r in range(world)]
+    inp = torch.arange(sum(send), dtype=torch.float64) + rank * 1e6
+    out = torch.empty(sum(recv), dtype=torch.float64)
+    dist.all_to_all_single(out, inp, recv, send, group=g)
+    return [out]
+
+
+def _gather_scatter(rank, world, x, g):
+    got = [torch.empty_like(x) for _ in range(world)] if rank == 0 else None
+    dist.gather(x, got, dst=0, group=g)
+    out = torch.empty_like(x)
+    dist.scatter(out, [x + r for r in range(world)] if rank == 2 % world else None, src=2 % world, group=g)
+    return (got or []) + [out]
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_many_rounds_match_gloo(world):
+    res = run_ranks(_many_rounds, world, backend="pycoll",
+                    env={"PYCOLL_TRANSPORT": "shm", "PYCOLL_SHM_SLOT_BYTES": "4096"})
+    assert all(all(r) for r in res), res
+
+
+def _rss_growth(rank, world, gib):
+    t = torch.ones(int(gib * (1 << 30)) // 4)
+    dist.all_reduce(torch.ones(8 << 20))  # warm: scratch buffers and every shared slot touched
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    dist.all_reduce(t)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    ok = bool((t == world).all())
+    return after - before, ok
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_1gib_all_reduce_memory_is_bounded_by_segments(transport):
+    segment = 4 << 20
+    res = run_ranks(_rss_growth, 2, 1.0, backend="pycoll", timeout=240,
+                    env={"PYCOLL_TRANSPORT": transport, "PYCOLL_SEGMENT_BYTES": str(segment),
+                         "PYCOLL_SHM_SLOT_BYTES": str(segment)})
+    for growth, ok in res:
+        assert ok
+        assert growth <= 2 * segment, f"peak RSS grew by {growth / 2**20:.1f} MiB (segment 4 MiB)"

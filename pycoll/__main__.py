@@ -6,6 +6,9 @@ import sys
 
 COMMANDS = {
     "demo": ("pycoll.demo", "start local ranks, run every collective, train with DDP"),
+    "bench": ("pycoll.bench", "pycoll vs gloo (vs MPI) benchmark, nccl-tests style (checkout)"),
+    "draw": ("pycoll.draw", "draw an algorithm's schedule step by step (picture or --text)"),
+    "doctor": ("pycoll.doctor", "what this machine offers and which paths pycoll will use"),
 }
 
 

@@ -1,0 +1,106 @@
+"""The tool commands: ``python -m pycoll draw | doctor | bench``, each run as a subprocess.
+
+``draw --text`` is checked against counts derived from the schedules themselves (rounds,
+transfers = sends, local actions), so the table cannot drift from what the executor runs.
+"""
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pycoll.algorithms import ALGORITHMS
+from pycoll.algorithms.schedule import COMM, RecvReduce, Send
+from pycoll.draw import build, resolve, timeline
+
+REPO = Path(__file__).resolve().parents[1]
+HAS_MPL = importlib.util.find_spec("matplotlib") is not None
+
+
+def _pycoll(*args, timeout=50, cwd=REPO):
+    proc = subprocess.run([sys.executable, "-m", "pycoll", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _check_table(text, collective, algo, world):
+    scheds = build(collective, algo, world)
+    acts = [a for s in scheds for st in s.steps for a in st]
+    sends = sum(isinstance(a, Send) for a in acts)
+    reduces = sum(isinstance(a, RecvReduce) for a in acts)
+    local = sum(not isinstance(a, COMM) for a in acts)
+    rows = [ln.split() for ln in text.splitlines() if ln and ln[0] not in "#r"]
+    assert len(rows) == sends + local, (collective, algo, world)
+    assert sum(r[3] in ("recv", "recv+reduce") for r in rows) == sends
+    assert sum(r[3] == "recv+reduce" for r in rows) == reduces
+    assert f"{sends} transfers ({reduces} receive-reduce" in text
+    rounds = timeline(collective, algo, world).n_rounds
+    assert f"# {rounds} rounds" in text and {int(r[0]) for r in rows} == set(range(rounds))
+
+
+@pytest.mark.timeout(60)
+def test_draw_text_lists_every_transfer_and_local_action_of_the_schedules():
+    out = _pycoll("draw", "--text", "--all", "--worlds", "4,5")  # one process, every algorithm
+    tables = out.strip().split("\n\n")
+    jobs = [(c, a, w) for c in ALGORITHMS for a in ALGORITHMS[c] for w in (4, 5)]
+    assert len(tables) == len(jobs)
+    for text, (collective, algo, world) in zip(tables, jobs):
+        assert text.startswith(f"# {collective} / {algo}") and f"world {world}," in text
+        _check_table(text, collective, algo, world)
+    ring = _pycoll("draw", "ring_allreduce", "-n", "4", "--text")  # module names work too
+    assert "6 rounds, 24 transfers" in ring  # 2(P-1) steps, P transfers each
+    _check_table(ring, "all_reduce", "ring", 4)
+
+
+def test_timeline_matches_transfers_and_places_both_ends_in_one_round():
+    tl = timeline("all_reduce", "recursive_doubling", 5)
+    assert len(tl.transfers) == sum(isinstance(a, Send) for s in tl.schedules
+                                    for st in s.steps for a in st)
+    for t in tl.transfers:
+        assert t.send.count == t.recv.count and t.send.peer == t.dst and t.recv.peer == t.src
+    assert tl.n_rounds == 6  # fold in, log2(4) rounds of exchange + reduce, fold out
+    with pytest.raises(ValueError, match="--collective"):
+        resolve("ring")
+    assert resolve("ring", "all_gather") == ("all_gather", "ring")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not HAS_MPL, reason="matplotlib (the 'plot' extra) not installed")
+def test_draw_writes_a_png_and_an_svg(tmp_path):
+    png, svg = tmp_path / "ring.png", tmp_path / "tree.svg"
+    _pycoll("draw", "all_reduce/ring", "-n", "8", "-o", str(png))
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    width, height = int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+    assert width > 1000 and height > 500  # 8 ranks, 14 rounds on two bands: room to read
+    _pycoll("draw", "tree", "-n", "5", "-o", str(svg))
+    assert "<svg" in svg.read_text()[:500]
+
+
+@pytest.mark.timeout(60)
+def test_doctor_table_and_json():
+    rows = json.loads(_pycoll("doctor", "--json"))
+    checks = {r["check"]: r for r in rows}
+    assert {"python", "torch", "cpus", "shared memory", "cross-memory attach", "cuda", "cupy",
+            "ip netns", "mpi", "matplotlib", "loopback tcp", "PYCOLL_* settings",
+            "paths"} <= set(checks)
+    assert checks["loopback tcp"]["status"] == "ok"
+    assert all(r["status"] in ("ok", "no", "info") and r["detail"] for r in rows)
+    assert not list(Path("/dev/shm").glob("pycoll-doctor-*"))  # the probe segment is gone
+
+
+@pytest.mark.timeout(60)
+def test_bench_subcommand_runs_the_checkout_benchmark(tmp_path):
+    out = tmp_path / "bench.json"
+    text = _pycoll("bench", "--backends", "gloo", "--mpi", "off", "-c", "all_reduce",
+                   "--world-size", "2", "--min-bytes", "8", "--max-bytes", "64",
+                   "--step-factor", "8", "--iters", "2", "--warmup", "1", "--rounds", "1",
+                   "--ref-seconds", "0", "--timeout", "20", "--deadline", "45",
+                   "--no-progress", "--json", str(out), timeout=55, cwd=tmp_path)
+    assert "#wrong total: 0" in text
+    rows = json.loads(out.read_text())["collectives"]["all_reduce"]["rows"]
+    assert [r["size"] for r in rows] == [8, 64]

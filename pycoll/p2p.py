@@ -7,6 +7,11 @@ posting order) is read straight into that receive's tensor; one that matches not
 is kept as an unexpected message until a receive claims it (MPI's eager protocol). Sends
 to a peer go out in posting order. So ``isend``/``irecv`` pairs in any order, rings of
 blocking sends and batch_isend_irecv all complete without deadlock.
+
+Memory is bounded: unexpected messages may hold at most ``PYCOLL_MAX_UNEXPECTED_BYTES``
+(default 1 GiB) in all; a header claiming more is a protocol error for that peer, raised
+before anything is allocated. A frame drained because it does not fit the receive that
+matched it is read through a small fixed buffer, never allocated whole.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from .transport.tcp import Conn
 from .wire import DATA, Header, Signature, decode_header, header_length
 
 ANY = -1
+MAX_UNEXPECTED_BYTES = int(os.environ.get("PYCOLL_MAX_UNEXPECTED_BYTES", 1 << 30))
+_SINK = 64 << 10
 
 
 class Request:
@@ -64,6 +71,26 @@ class _Incoming:
         self.req, self.hdr, self.dest, self.off, self.discard = req, hdr, dest, 0, discard
 
 
+class _Discard:
+    """Stands in for a destination buffer when a payload is read only to be dropped."""
+
+    __slots__ = ("n", "sink")
+
+    def __init__(self, n: int) -> None:
+        self.n, self.sink = n, memoryview(bytearray(min(n, _SINK)))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, sl: slice) -> memoryview:
+        start = sl.start or 0
+        stop = self.n if sl.stop is None else sl.stop
+        return self.sink[:min(stop - start, len(self.sink))]
+
+    def __setitem__(self, sl: slice, data) -> None:
+        pass
+
+
 class P2PEngine:
     def __init__(self, rank: int, world: int, socks: dict[int, socket.socket]) -> None:
         self.rank, self.world = rank, world
@@ -74,6 +101,8 @@ class P2PEngine:
         self._unexpected: deque[tuple[int, int, Header, memoryview]] = deque()  # (order, peer, hdr, data)
         self._reading: dict[int, _Incoming] = {}
         self._order = itertools.count()
+        self._unexpected_bytes = 0
+        self.max_unexpected = MAX_UNEXPECTED_BYTES
         self._dead: dict[int, str] = {}
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
@@ -102,6 +131,7 @@ class P2PEngine:
                 _, src, hdr, data = item
                 if (peer in (ANY, src)) and hdr.sig.seq == tag:
                     self._unexpected.remove(item)
+                    self._unexpected_bytes -= len(data)
                     self._complete_recv(req, src, hdr, data)
                     return req
             if peer != ANY and peer in self._dead:
@@ -232,10 +262,12 @@ class P2PEngine:
             elif not inc.discard:
                 self._unexpected.append((next(self._order), p, inc.hdr, inc.dest))
 
+
     def _match(self, p: int, hdr: Header) -> "_Incoming":
         """Route an arriving frame: into a matching posted receive, or keep it as unexpected."""
-        if hdr.sig.op != "p2p":
-            raise ProtocolError(f"rank {self.rank}: non-p2p frame on the p2p channel from rank {p}")
+        if hdr.kind != DATA or hdr.sig.op != "p2p":
+            raise ProtocolError(f"rank {self.rank}: non-p2p frame on the p2p channel from rank {p}",
+                                rank=self.rank, peer=p)
         for req in self._posted:
             if req.peer in (ANY, p) and req.tag == hdr.sig.seq:
                 self._posted.remove(req)
@@ -243,8 +275,20 @@ class P2PEngine:
                     return _Incoming(req, hdr, req.buf)
                 # Drain the payload, then fail only this request: the stream stays usable.
                 req.finish(self._size_error(req, p, hdr))
-                return _Incoming(None, hdr, memoryview(bytearray(hdr.nbytes)), discard=True)
+                if hdr.nbytes > self.max_unexpected:
+                    raise self._too_big(p, hdr)
+                return _Incoming(None, hdr, _Discard(hdr.nbytes), discard=True)
+        if hdr.nbytes > self.max_unexpected - self._unexpected_bytes:
+            raise self._too_big(p, hdr)
+        self._unexpected_bytes += hdr.nbytes
         return _Incoming(None, hdr, memoryview(bytearray(hdr.nbytes)))
+
+    def _too_big(self, p: int, hdr: Header) -> ProtocolError:
+        return ProtocolError(
+            f"rank {self.rank}: rank {p} sent an unexpected message of {hdr.nbytes} bytes (tag "
+            f"{hdr.sig.seq}) while {self._unexpected_bytes} bytes of unexpected messages are held; "
+            f"the bound is PYCOLL_MAX_UNEXPECTED_BYTES={self.max_unexpected}: post the receive "
+            f"first or raise the bound", op="recv", seq=hdr.sig.seq, rank=self.rank, peer=p)
 
     def _size_error(self, req: Request, src: int, hdr: Header) -> ProtocolError:
         return ProtocolError(f"rank {self.rank}: {req.describe()} but rank {src} sent "

@@ -35,7 +35,7 @@ import weakref
 from collections import deque
 from typing import Sequence
 
-from ..errors import CommError, CommTimeoutError, PeerClosedError, ProtocolError
+from ..errors import CommError, CommTimeoutError, MismatchError, PeerClosedError, ProtocolError
 from ..wire import ABORT, BYE, DATA, control_frame, control_payload_length, decode_header, header_length
 from .base import InFrame, OutFrame, Transport, check_header, control_error
 
@@ -155,6 +155,7 @@ class TcpTransport(Transport):
         self.ranks = list(range(world))           # group rank of each transport rank
         self._st = _State()
         self._owner = True
+        self._cur = None  # signature of the collective being exchanged
         _LIVE.add(self)
 
     def subset(self, ranks: list[int]) -> "TcpTransport":
@@ -165,7 +166,7 @@ class TcpTransport(Transport):
         sub.rank, sub.world = ranks.index(self.rank), len(ranks)
         sub.conns = {i: self.conns[r] for i, r in enumerate(ranks) if r != self.rank}
         sub.ranks = [self.ranks[r] for r in ranks]
-        sub._st, sub._owner = self._st, False
+        sub._st, sub._owner, sub._cur = self._st, False, None
         return sub
 
     @property
@@ -227,6 +228,15 @@ class TcpTransport(Transport):
             st.frames.append(f)
             st.total += len(f.dest)
         active = dict(sends)
+        if ins:
+            self._cur = ins[0].expect.sig
+        elif outs:
+            try:
+                hdr = bytes(outs[0].header)
+                self._cur = decode_header(memoryview(hdr)[4:4 + header_length(hdr[:4])]).sig
+            except (ProtocolError, ValueError):  # a damaged frame (fault injection)
+                self._cur = None
+        peeked: set[int] = set()
         peer = -1
         try:
             while active or recvs:
@@ -240,14 +250,20 @@ class TcpTransport(Transport):
                     if self.aborted is not None:
                         raise self._aborted_error(what)
                     if not progressed:
-                        self._wait(active, recvs, deadline, what)
+                        self._wait(active, recvs, deadline, what, peeked)
                     elif time.monotonic() > deadline:
                         raise self._timeout(active, recvs, what)
         except CommError:
             raise
         except EOFError:
+            conn = self.conns.get(peer)
+            if conn is not None and conn.rend > conn.rpos:  # e.g. an ABORT behind unread frames
+                self._inspect(conn, what)
             raise self._eof_error(peer, what, recvs.get(peer)) from None
         except OSError as exc:
+            conn = self.conns.get(peer)
+            if conn is not None:  # the peer may have left a reason before it closed
+                self._inspect(conn, what)
             raise self._reset_error(peer, what, exc) from None
 
     def _send_some(self, peer: int, sends: dict) -> bool:
@@ -357,7 +373,7 @@ class TcpTransport(Transport):
         except EOFError:
             return True
 
-    def _wait(self, sends: dict, recvs: dict, deadline: float, what: str) -> None:
+    def _wait(self, sends: dict, recvs: dict, deadline: float, what: str, peeked: set) -> None:
         now = time.monotonic()
         left = deadline - now
         if left <= 0:
@@ -372,7 +388,7 @@ class TcpTransport(Transport):
                 if conn.eof_at:
                     wake = min(wake, max(0.0, conn.eof_at + DEAD_PEER_GRACE - now))
                 elif conn.watch:
-                    mask |= select.POLLRDHUP
+                    mask |= select.POLLRDHUP | (0 if peer in peeked else select.POLLIN)
                     idle[conn.fd] = conn
             if mask:
                 poller.register(conn.fd, mask)
@@ -384,12 +400,47 @@ class TcpTransport(Transport):
             raise self._aborted_error(what)
         for fd, ev in events:
             conn = idle.get(fd)
-            if conn is not None and ev & _POLLHANGUP:
+            if conn is None:
+                continue
+            if ev & _POLLHANGUP:
                 self._inspect(conn, what)
+            elif ev & select.POLLIN:
+                peeked.add(conn.peer)
+                self._peek(conn, what)
         now = time.monotonic()
         for peer, conn in self.conns.items():
             if conn.eof_at and peer not in recvs and now >= conn.eof_at + DEAD_PEER_GRACE:
                 raise self._eof_error(peer, what, None)
+
+    def _peek(self, conn: Conn, what: str) -> None:
+        """A peer this step does not receive from sent something: if it is a frame of this
+        collective that does not match it, or of an earlier one, the ranks called different
+        collectives (e.g. all_reduce here, broadcast there, each waiting for the other)."""
+        try:
+            conn.fill()
+        except EOFError:
+            return self._inspect(conn, what)
+        except OSError:
+            return
+        if conn.rend - conn.rpos < 4:
+            return
+        peer = conn.peer
+        try:
+            hlen = header_length(conn.rbuf[conn.rpos:conn.rpos + 4])
+            if conn.rend - conn.rpos < 4 + hlen:
+                return
+            got = decode_header(conn.rbuf[conn.rpos + 4:conn.rpos + 4 + hlen])
+        except ProtocolError as exc:
+            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got garbage from rank "
+                                f"{self._g(peer)}: {exc}", rank=self._g(self.rank), peer=self._g(peer)) from None
+        if got.kind != DATA:
+            return self._inspect(conn, what)
+        cur = self._cur
+        if cur is not None and got.sig != cur and got.sig.seq <= cur.seq:
+            raise MismatchError(
+                f"collective mismatch: rank {self._g(self.rank)} called {cur.describe()} but rank "
+                f"{self._g(peer)} called {got.sig.describe()}", op=cur.op, seq=cur.seq,
+                rank=self._g(self.rank), peer=self._g(peer))
 
     def _inspect(self, conn: Conn, what: str) -> None:
         """A connection this step does not use hung up: find out why, without consuming.

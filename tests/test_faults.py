@@ -1,0 +1,275 @@
+"""Never hang, never corrupt: dead peers, mismatched collectives, timeouts, damaged frames.
+
+Every scenario runs real ranks over TCP (PYCOLL_TRANSPORT=tcp) and checks, on every rank,
+the error's class and text (it must name the collective, the ranks involved and the root
+cause), how long it took, that destroy_process_group then returns promptly, and that no
+socket or thread of the group is left behind. Faults come from PYCOLL_FAULT
+(docs/faults.md); ranks that are SIGKILLed run under ``test_faults_kit.launch``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pycoll import faults
+from tests.harness import run_ranks
+from tests.test_faults_kit import BASE, explain, fd_count, launch, pycoll_threads
+
+TCP = {"PYCOLL_TRANSPORT": "tcp"}
+pytestmark = pytest.mark.timeout(120)
+
+
+# -- helpers that run inside a rank -------------------------------------------------------------
+
+def _finish(info: dict, destroy: bool = True) -> dict:
+    """After an error: destroy the group, then measure what it left behind."""
+    t0 = time.time()
+    if destroy and dist.is_initialized():
+        dist.destroy_process_group()
+    info["destroy_s"] = time.time() - t0
+    if BASE:
+        info["fds_left"] = fd_count() - BASE["fds"]
+    info["threads"] = pycoll_threads()
+    return info
+
+
+def _error_info(exc: BaseException) -> dict:
+    return {"err": type(exc).__name__, "msg": str(exc), "t_err": time.time()}
+
+
+def _until_error(rank, world, numel, seconds):
+    """all_reduce in a loop until it fails; report the failure and the cleanup."""
+    t = torch.empty(numel)
+    end, n = time.time() + seconds, 0
+    try:
+        while time.time() < end:
+            t.fill_(rank + 1)
+            dist.all_reduce(t)
+            assert t[0].item() == world * (world + 1) / 2 and t[-1].item() == t[0].item()
+            n += 1
+    except Exception as exc:  # noqa: BLE001
+        return _finish({**_error_info(exc), "n": n})
+    return {"err": None, "n": n}
+
+
+def _check_survivors(out, victim, t_dead, limit=2.0):
+    rows = []
+    for r, o in enumerate(out):
+        if r == victim:
+            assert o["status"] == "dead" and o["exitcode"] == -9, explain(out)
+            continue
+        assert o["status"] == "ok", explain(out)
+        info = o["value"]
+        assert info["err"] is not None, f"rank {r} never saw rank {victim} die: {info}"
+        assert info["err"] == "PeerClosedError", info
+        assert f"rank {victim}" in info["msg"] and ("died" in info["msg"] or "closed" in info["msg"]), info
+        delay = info["t_err"] - t_dead
+        assert delay < limit, f"rank {r} raised {delay:.2f} s after rank {victim} died: {info['msg']}"
+        assert info["destroy_s"] < 2.0 and info["fds_left"] <= 0 and info["threads"] == [], info
+        rows.append((r, round(max(delay, 0.0), 3), info["msg"]))
+    return rows
+
+
+# -- PYCOLL_FAULT syntax ----------------------------------------------------------------------------
+
+def test_fault_spec_syntax():
+    (f,) = faults.parse("rank=2:op=all_reduce:seq=3:kill_at_step=5")
+    assert (f.rank, f.op, f.seq, f.kill_at_step) == (2, "all_reduce", 3, 5)
+    a, b = faults.parse("rank=1:delay=0.2; rank=0:slow_link=2:bw=10e6")
+    assert a.delay == 0.2 and (b.slow_link, b.bw) == (2, 10e6)
+    assert faults.parse("rank=*:drop_at_seq=4")[0].rank is None
+    for bad in ("rank=x", "nope=1", "slow_link=1", "delay", "corrupt_at_step=1:corrupt=zz", "delay=-1"):
+        with pytest.raises(ValueError, match="PYCOLL_FAULT"):
+            faults.parse(bad)
+    sentinel = object()
+    assert faults.wrap(sentinel, 0, env="") is sentinel
+    assert faults.wrap(sentinel, 0, env="rank=1:delay=1") is sentinel
+
+
+# -- dead peers ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_kill_at_step_every_survivor_raises_within_2s(world):
+    rng = random.Random(world)
+    victim = rng.randrange(world)
+    seq, step = rng.randrange(2, 6), rng.randrange(1, 2 * (world - 1) + 1)
+    env = {**TCP, "PYCOLL_ALGO": "all_reduce=ring",
+           "PYCOLL_FAULT": f"rank={victim}:op=all_reduce:seq={seq}:kill_at_step={step}"}
+    out = launch(_until_error, world, 1 << 18, 20.0, env=env, timeout=60)
+    rows = _check_survivors(out, victim, out[victim]["died_at"])
+    print(f"\nworld {world}, rank {victim} killed at all_reduce seq {seq} step {step}:", *rows, sep="\n  ")
+
+
+def test_sigkill_at_random_time_ring_world4():
+    rng = random.Random(7)
+    victim, after = rng.randrange(4), rng.uniform(0.05, 0.4)
+    out = launch(_until_error, 4, 1 << 18, 20.0, env={**TCP, "PYCOLL_ALGO": "all_reduce=ring"},
+                 timeout=60, kill_after=(victim, after))
+    rows = _check_survivors(out, victim, out[victim]["killed_at"])
+    print(f"\nrank {victim} SIGKILLed {after:.2f} s into a loop of 1 MiB ring all_reduce:", *rows, sep="\n  ")
+
+
+def test_drop_connections_is_seen_as_a_dead_peer():
+    env = {**TCP, "PYCOLL_FAULT": "rank=1:drop_at_seq=3"}
+    out = launch(_until_error, 3, 1000, 20.0, env=env, timeout=60)
+    for r, o in enumerate(out):
+        assert o["status"] == "ok", explain(out)
+        info = o["value"]
+        assert info["err"] == "PeerClosedError" and info["n"] == 3, info
+        assert "rank 1" in info["msg"], info
+        assert info["fds_left"] <= 0 and info["threads"] == [], info
+
+
+# -- mismatched collectives -----------------------------------------------------------------------------
+
+def _mismatch(rank, world, case):
+    odd = rank == world - 1
+    t = torch.ones(10)
+    try:
+        if case == "op":
+            dist.broadcast(t, 0) if odd else dist.all_reduce(t)
+        elif case == "size":
+            dist.all_reduce(torch.ones(11) if odd else t)
+        elif case == "dtype":
+            dist.all_reduce(torch.ones(10, dtype=torch.int64) if odd else t)
+        elif case == "redop":
+            dist.all_reduce(t, op=dist.ReduceOp.MAX if odd else dist.ReduceOp.SUM)
+        elif case == "root":
+            dist.broadcast(t, 1 if odd else 0)
+            dist.barrier()
+        dist.barrier()
+    except Exception as exc:  # noqa: BLE001
+        return _finish(_error_info(exc), destroy=False)
+    return {"err": None}
+
+
+MISMATCH_TEXT = {
+    "op": ("all_reduce(", "broadcast("),
+    "size": ("numel=10", "numel=11"),
+    "dtype": ("dtype=float32", "dtype=int64"),
+    "redop": ("op=sum", "op=max"),
+    # world 2: each rank thinks it is the root and only sends, so it shows at the next call
+    "root": ("broadcast(", "root="),
+}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("case", list(MISMATCH_TEXT))
+def test_mismatch_every_rank_names_both_sides(case, world):
+    t0 = time.time()
+    res = run_ranks(_mismatch, world, case, backend="pycoll", timeout=30, env=TCP)
+    for r, info in enumerate(res):
+        assert info["err"] == "MismatchError", (r, info)
+        assert "mismatch" in info["msg"], (r, info)
+        for text in MISMATCH_TEXT[case]:
+            assert text in info["msg"].lower(), (r, text, info["msg"])
+        assert info["t_err"] - t0 < 10, info
+    print(f"\n{case} world {world}:", *(f"rank {r}: {i['msg']}" for r, i in enumerate(res)), sep="\n  ")
+
+
+def _gather_vs_scatter(rank, world):
+    t = torch.ones(10)
+    t0 = time.time()
+    try:
+        if rank == world - 1:
+            dist.scatter(t, [t] * world if rank == 0 else None, src=0)
+        else:
+            dist.gather(t, [torch.empty(10) for _ in range(world)] if rank == 0 else None, dst=0)
+    except Exception as exc:  # noqa: BLE001
+        return _finish({**_error_info(exc), "elapsed": time.time() - t0})
+    return {"err": None}
+
+
+def test_mismatch_where_nobody_sends_ends_in_a_timeout():
+    # gather to 0 on rank 0 vs scatter from 0 on rank 1: both only receive, no header ever
+    # crosses, so there is nothing to compare; the group timeout (2 s) ends it on both.
+    out = launch(_gather_vs_scatter, 2, env=TCP, group_timeout=2.0, timeout=30)
+    for r, o in enumerate(out):
+        info = o["value"]
+        assert o["status"] == "ok" and info["err"] == "CommTimeoutError", explain(out)
+        assert info["elapsed"] < 4 and "timed out waiting for rank" in info["msg"], info
+        assert info["fds_left"] <= 0 and info["threads"] == [], info
+
+
+# -- timeouts ---------------------------------------------------------------------------------------------
+
+def _late_rank(rank, world, op_timeout):
+    t = torch.ones(1 << 16)
+    for _ in range(2):
+        dist.all_reduce(t)
+    pg = dist.distributed_c10d._get_default_group()
+    opts = dist.AllreduceOptions()
+    if op_timeout:
+        opts.timeout = timedelta(seconds=op_timeout)
+    t0 = time.time()
+    try:
+        pg.allreduce([t], opts).wait()
+    except Exception as exc:  # noqa: BLE001
+        return _finish({**_error_info(exc), "elapsed": time.time() - t0}, destroy=False)
+    return {"err": None, "elapsed": time.time() - t0}
+
+
+@pytest.mark.parametrize("per_op", [False, True])
+def test_timeout_names_op_seq_rank_peer_and_bytes(per_op):
+    # Rank 1 arrives 3 s late at seq 2; the deadline is the group's (1 s) or the op's (0.5 s
+    # with a 30 s group timeout): rank 0 times out, rank 1 then learns why from its ABORT.
+    env = {**TCP, "PYCOLL_FAULT": "rank=1:seq=2:delay=3"}
+    out = launch(_late_rank, 2, 0.5 if per_op else None, env=env, timeout=60,
+                 group_timeout=30.0 if per_op else 1.0)
+    limit = 0.5 if per_op else 1.0
+    r0, r1 = (o["value"] for o in out)
+    assert all(o["status"] == "ok" for o in out), explain(out)
+    assert r0["err"] == "CommTimeoutError", r0
+    assert limit <= r0["elapsed"] < limit + 1.0, r0
+    for text in ("all_reduce seq 2", "rank 0 timed out waiting for rank 1", r"received 0 of \d+ bytes from rank 1"):
+        assert re.search(text, r0["msg"]), (text, r0["msg"])
+    assert "rank 0 timed out waiting for rank 1" in r1["msg"], r1
+    print(f"\nper_op={per_op}: rank 0 after {r0['elapsed']:.2f} s: {r0['msg']}\n  rank 1: {r1['msg']}")
+
+
+# -- damaged frames on established connections ------------------------------------------------------------
+
+@pytest.mark.parametrize("kind,cls,text", [
+    ("garbage", "ProtocolError", "from rank 0: invalid frame header length"),
+    ("huge", "ProtocolError", "1099511627776 bytes"),
+    ("truncate", "PeerClosedError", "rank 0"),
+])
+def test_damaged_frame_is_rejected_on_every_rank(kind, cls, text):
+    env = {**TCP, "PYCOLL_FAULT": f"rank=0:seq=2:corrupt_at_step=1:corrupt={kind}"}
+    out = launch(_until_error, 3, 1 << 12, 20.0, env=env, timeout=60)
+    for r, o in enumerate(out):
+        assert o["status"] == "ok", explain(out)
+        info = o["value"]
+        assert info["err"] is not None and info["n"] == 2, info
+        if r != 0:
+            assert info["err"] == cls and text in info["msg"], (r, info)
+        assert info["fds_left"] <= 0 and info["threads"] == [], info
+
+
+# -- slow rank, slow link ---------------------------------------------------------------------------------
+
+def _timed(rank, world, n, numel):
+    t = torch.empty(numel)
+    t0 = time.time()
+    for _ in range(n):
+        t.fill_(rank + 1)
+        dist.all_reduce(t)
+        assert t.eq(world * (world + 1) / 2).all()
+    return time.time() - t0
+
+
+def test_delay_and_slow_link_slow_down_but_stay_correct():
+    res = run_ranks(_timed, 2, 5, 1 << 16, backend="pycoll", timeout=60,
+                    env={**TCP, "PYCOLL_FAULT": "rank=1:delay=0.1"})
+    assert min(res) >= 0.45, res
+    # 256 KiB per all_reduce over a 2 MB/s link: >= 5 x 0.13 s on the throttled rank
+    res = run_ranks(_timed, 2, 5, 1 << 16, backend="pycoll", timeout=60,
+                    env={**TCP, "PYCOLL_FAULT": "rank=0:slow_link=1:bw=2e6"})
+    assert min(res) >= 0.6, res

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 INTEGER = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
@@ -59,6 +60,12 @@ _INT_ARITH = {"sum": _sum, "product": _prod, "avg": _sum}
 _BITWISE = {"band": _band, "bor": _bor, "bxor": _bxor}
 
 
+_NP = {"sum": np.add, "avg": np.add, "premul_sum": np.add, "product": np.multiply, "min": np.minimum,
+       "max": np.maximum, "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
+_NP_BOOL = {"sum": np.logical_or, "max": np.logical_or, "bor": np.logical_or, "product": np.logical_and,
+            "min": np.logical_and, "band": np.logical_and, "bxor": np.logical_xor}
+
+
 @dataclass(frozen=True)
 class Reduction:
     """A reduce op bound to a dtype and world size: the kernel plus pre/post scaling."""
@@ -67,6 +74,7 @@ class Reduction:
     kernel: Kernel
     factor: float | None = None  # PREMUL_SUM factor applied to local input
     divisor: int = 1             # AVG: divide the result by the world size
+    ufunc: Callable | None = None  # the same op as a numpy ufunc (small messages), if numpy has the dtype
 
     def prepare(self, t: torch.Tensor) -> None:
         """Scale a working copy of the local contribution in place (PREMUL_SUM)."""
@@ -103,8 +111,25 @@ def op_factor(op) -> float | None:
     return float(f)
 
 
+_CACHE: dict = {}
+
+
 def make_reduction(op, dtype: torch.dtype, world_size: int) -> Reduction:
-    """Bind ``op`` to ``dtype``; raises ValueError if the op is undefined for the dtype."""
+    """Bind ``op`` to ``dtype``; raises ValueError if the op is undefined for the dtype.
+
+    Reductions without a factor are cached: this runs on every call's latency path.
+    """
+    key = (getattr(op, "op", op), dtype, world_size)
+    cached = _CACHE.get(key)
+    if cached is not None:
+        return cached
+    red = _make_reduction(op, dtype, world_size)
+    if red.factor is None:
+        _CACHE[key] = red
+    return red
+
+
+def _make_reduction(op, dtype: torch.dtype, world_size: int) -> Reduction:
     name = op_name(op)
     if dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"pycoll does not support dtype {dtype}")
@@ -123,4 +148,5 @@ def make_reduction(op, dtype: torch.dtype, world_size: int) -> Reduction:
     factor = op_factor(op) if name == "premul_sum" else None
     if name == "premul_sum" and factor is None:
         raise ValueError("ReduceOp.PREMUL_SUM needs a factor (torch.distributed._make_nccl_premul_sum)")
-    return Reduction(name, table[name], factor, world_size if name == "avg" else 1)
+    ufunc = None if dtype is torch.bfloat16 else (_NP_BOOL if dtype is torch.bool else _NP)[name]
+    return Reduction(name, table[name], factor, world_size if name == "avg" else 1, ufunc)

@@ -27,8 +27,10 @@ on every rank, never a hang or a wrong result.
 
 from __future__ import annotations
 
+import time
 import zlib
 
+import numpy as np
 import torch
 
 from .algorithms.schedule import chunks, displacements
@@ -77,12 +79,44 @@ class _Barriers:
         self.arena, self.words, self.deadline, self.what = arena, words, deadline, what
         self.first = True
         arena.publish(words)
+        arena.pending, self.round0, self.tracer = self, arena.rounds, arena.tracer
+        if self.tracer is not None:
+            self.count, self.t = 0, time.monotonic()
 
     def __call__(self) -> None:
+        if self.tracer is not None:
+            return self._traced()
         self.arena.sync(self.deadline, self.what)
         if self.first:
             self.first = False
             self.arena.check_signatures(self.words, describe)
+
+    def _traced(self) -> None:
+        """A barrier, recorded with the copy/reduce phase before it (PYCOLL_TRACE)."""
+        a, t0 = self.arena, time.monotonic()
+        a.sync(self.deadline, self.what)
+        if self.first:
+            self.first = False
+            a.check_signatures(self.words, describe)
+        t1 = time.monotonic()
+        self.count += 1
+        rnd = a.rounds - self.round0
+        self.tracer(("shm", self.words, self.count, rnd, round_bytes(self.words, rnd, a.slot_bytes, a.size),
+                     self.t, t0, t1))
+        self.t = t1
+
+
+def round_bytes(words, rnd: int, slot_bytes: int, size: int) -> int | None:
+    """Bytes each rank stages in round ``rnd`` (1-based) of a collective; None: not known here."""
+    op, numel, isz = OPS[words[0]], words[3], DTYPES[words[2]].itemsize
+    if op == "barrier":
+        return 0
+    if op in ("reduce_scatter", "all_to_all"):
+        return None     # per-rank counts travel only as a hash
+    cap = slot_bytes // isz // (size if op == "scatter" else 1)
+    if op == "all_reduce" and numel * isz <= min(ONE_SHOT_BYTES, slot_bytes):
+        cap = numel
+    return max(0, min(cap, numel - (rnd - 1) * cap)) * isz
 
 
 def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float, what: str) -> None:
@@ -91,6 +125,17 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
     n = t.numel()
     if n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):
         p = arena.next_parity()
+        if red.ufunc is not None:
+            # numpy: a small message's cost is call overhead, and numpy's is a third of torch's.
+            tn = t.numpy()
+            slots = [arena.numpy_slot(q, p, tn.dtype)[:n] for q in range(L)]
+            np.copyto(slots[me], tn)
+            barrier()
+            if L > 1:
+                red.ufunc(slots[0], slots[1], out=tn)
+                for q in range(2, L):
+                    red.ufunc(tn, slots[q], out=tn)
+            return
         arena.slot(me, p, dt)[:n].copy_(t)
         barrier()
         t.copy_(arena.slot(0, p, dt)[:n])

@@ -58,7 +58,7 @@ def _noop() -> None:
 def flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     """A flat contiguous tensor holding ``t``'s data, and a write-back for in-place results."""
     if t.is_contiguous():
-        return t.view(-1), _noop
+        return (t if t.dim() == 1 else t.view(-1)), _noop
     work = t.contiguous().view(-1)
     return work, lambda: t.copy_(work.view_as(t))
 
@@ -66,6 +66,6 @@ def flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
 def flat_out(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     """Like ``flat`` for an output-only tensor: no copy of the old contents is needed."""
     if t.is_contiguous():
-        return t.view(-1), _noop
+        return (t if t.dim() == 1 else t.view(-1)), _noop
     work = torch.empty(t.numel(), dtype=t.dtype)
     return work, lambda: t.copy_(work.view(t.shape))

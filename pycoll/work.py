@@ -17,36 +17,56 @@ import torch.distributed as dist
 from .errors import CommTimeoutError
 
 
+_FUTURE_LOCK = threading.Lock()
+
+
 class Work(dist.Work):
     def __init__(self, op: str, seq: int, outputs: list[torch.Tensor], driver=None) -> None:
         super().__init__()
         self.op, self.seq = op, seq
         self._outputs = outputs
         self._driver = driver  # callable(work) that runs queued ops up to this one
-        self._done = threading.Event()
+        self._done = False
+        # Held from creation to completion: waiting is acquiring it. Cheaper to make than
+        # an Event, and most Works are waited on once, at once.
+        self._gate = threading.Lock()
+        self._gate.acquire()
         self._error: BaseException | None = None
-        self._future: torch.futures.Future = torch.futures.Future()
+        self._future: torch.futures.Future | None = None  # made on first get_future()
+        self._settled = False
         self._source = -1
 
     def complete(self, error: BaseException | None = None) -> None:
-        if self._done.is_set():
+        if self._done:
             return
         self._error = error
-        self._done.set()
-        if error is None:
+        self._done = True
+        self._gate.release()
+        if self._future is not None:
+            self._settle()
+
+    def _settle(self) -> None:
+        with _FUTURE_LOCK:
+            if self._settled:
+                return
+            self._settled = True
+        # Outside the lock: the future's callbacks may use other Works' futures.
+        if self._error is None:
             self._future.set_result(self._outputs)
         else:
-            self._future.set_exception(error)
+            self._future.set_exception(self._error)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         limit = timeout.total_seconds() if timeout else None
-        if not self._done.is_set() and self._driver is not None and limit is None:
+        if not self._done and self._driver is not None and limit is None:
             # Running the queue inline cannot stop at a timeout; with one, the group's
             # worker thread (already notified for async ops) runs it while we wait below.
             self._driver(self)
-        if not self._done.wait(limit):
-            raise CommTimeoutError(f"{self.op} seq {self.seq}: Work.wait timed out after {limit} s",
-                                   op=self.op, seq=self.seq)
+        if not self._done:
+            if not self._gate.acquire(timeout=-1 if limit is None else limit):
+                raise CommTimeoutError(f"{self.op} seq {self.seq}: Work.wait timed out after {limit} s",
+                                       op=self.op, seq=self.seq)
+            self._gate.release()
         if self._error is not None:
             raise self._error
         return True
@@ -55,15 +75,20 @@ class Work(dist.Work):
         self.wait()
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._done
 
     def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
+        return self._done and self._error is None
 
     def exception(self):
         return self._error
 
     def get_future(self) -> torch.futures.Future:
+        with _FUTURE_LOCK:
+            if self._future is None:
+                self._future = torch.futures.Future()
+        if self._done:
+            self._settle()
         return self._future
 
     def result(self) -> list[torch.Tensor]:

@@ -66,6 +66,9 @@ def _alive(pid: int) -> bool:
 class ShmArena:
     """Shared staging memory and barriers for ``size`` ranks of one host (local ranks)."""
 
+    tracer = None   # PYCOLL_TRACE / PYCOLL_DEBUG hook (pycoll/trace.py); None: off
+    pending = None  # the running collective's barriers, for describe_pending (pycoll/hangdump.py)
+
     def __init__(self, store, key: str, local_rank: int, size: int, ranks: list[int],
                  timeout: float, slot_bytes: int | None = None) -> None:
         self.me, self.size, self.ranks = local_rank, size, ranks  # ranks: group rank of each local rank
@@ -130,16 +133,26 @@ class ShmArena:
     def check_signatures(self, words: tuple[int, ...], describe) -> None:
         """After a sync: raise MismatchError naming every local rank that published other words."""
         n = len(words)
-        others = {}
-        for r in range(self.size):
-            base = self._sig_base(r)
-            theirs = tuple(int(x) for x in self._sig[base:base + n])
-            if theirs != words:
-                others[self.ranks[r]] = f"rank {self.ranks[r]} called {describe(theirs)}"
-        if others:
-            raise MismatchError(f"collective mismatch: rank {self.ranks[self.me]} called {describe(words)} "
-                                f"but " + ", ".join(others.values()), rank=self.ranks[self.me],
-                                peer=next(iter(others)))
+        lines = self._sig.reshape(-1, LINE // 8)[:self.size]
+        start = self._sig_base(0)
+        block = lines[:, start:start + n]
+        if (block == block[self.me]).all():  # one vectorised compare on the common path
+            return
+        others = {self.ranks[r]: f"rank {self.ranks[r]} called {describe(tuple(int(x) for x in row))}"
+                  for r, row in enumerate(block) if tuple(int(x) for x in row) != words}
+        raise MismatchError(f"collective mismatch: rank {self.ranks[self.me]} called {describe(words)} "
+                            f"but " + ", ".join(others.values()), rank=self.ranks[self.me],
+                            peer=next(iter(others)))
+
+    def numpy_slot(self, rank: int, parity: int, dtype: np.dtype) -> np.ndarray:
+        """The staging slot as a numpy array (small-message path: numpy calls cost less)."""
+        key = (rank, parity, dtype)
+        view = self._typed.get(key)
+        if view is None:
+            start = self.ctrl_bytes + (2 * rank + parity) * self.slot_bytes
+            view = np.frombuffer(self.mm, dtype=dtype, count=self.slot_bytes // dtype.itemsize, offset=start)
+            self._typed[key] = view
+        return view
 
     # -- sync ----------------------------------------------------------------------------
     def sync(self, deadline: float, what: str) -> None:

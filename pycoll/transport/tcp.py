@@ -69,6 +69,8 @@ class Conn:
         if self.rpos == self.rend:
             self.rpos = self.rend = 0
         elif self.rend == len(self.rbuf):
+            if self.rpos == 0:
+                return 0  # full: reading into no room would look like end of stream
             n = self.rend - self.rpos
             self.rbuf[:n] = self.rbuf[self.rpos:self.rend]
             self.rpos, self.rend = 0, n

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from .errors import (AuthenticationError, CommError, CommTimeoutError, MismatchError,
                      PeerClosedError, ProtocolError, PycollError)
+from .stragglers import stats
 from .torch_backend import ProcessGroupPycoll, create
 
 __version__ = "0.1.0"
@@ -33,4 +34,4 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):
 _register()
 
 __all__ = ["ProcessGroupPycoll", "PycollError", "CommError", "CommTimeoutError", "PeerClosedError",
-           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "BACKEND_NAME"]
+           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "stats", "BACKEND_NAME"]

@@ -8,6 +8,7 @@ COMMANDS = {
     "demo": ("pycoll.demo", "start local ranks, run every collective, train with DDP"),
     "bench": ("pycoll.bench", "pycoll vs gloo (vs MPI) benchmark, nccl-tests style (checkout)"),
     "draw": ("pycoll.draw", "draw an algorithm's schedule step by step (picture or --text)"),
+    "trace": ("pycoll.trace_view", "merge PYCOLL_TRACE=DIR rank files into a Chrome trace (+ --png timeline)"),
     "doctor": ("pycoll.doctor", "what this machine offers and which paths pycoll will use"),
 }
 

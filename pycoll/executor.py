@@ -9,8 +9,8 @@ per-element work); sends and receives use the tensors' own memory (no staging co
 
 from __future__ import annotations
 
-import time
 import ctypes
+import time
 
 import torch
 

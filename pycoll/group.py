@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from . import algorithms, faults, rendezvous
+from . import algorithms, faults, hangdump, rendezvous, stragglers, trace
 from .errors import PycollError
 from .executor import DEFAULT_SEGMENT_BYTES, Executor
 from .p2p import P2PEngine
@@ -92,6 +92,12 @@ class Communicator:
         self._closed = False
         self._worker = threading.Thread(target=self._work_loop, name=f"pycoll-worker-{rank}", daemon=True)
         self._worker.start()
+        # Observability (docs/observability.md): per-op state for describe_pending, every
+        # rank's arrivals for pycoll.stats, and the PYCOLL_TRACE / PYCOLL_DEBUG hook.
+        self.current: tuple[str, int, float] | None = None
+        self.arrivals: deque = deque(maxlen=stragglers.WINDOW)
+        self.tracer = None
+        trace.attach(self)
 
     def _init_shared_memory(self, store, hosts: list[str], timeout: float) -> None:
         """Map this host's arena; in hierarchical mode also the leaders' TCP sub-transport."""
@@ -150,10 +156,14 @@ class Communicator:
                                       f"an earlier error: {self.error}"))
             return
         faults.before_op(self.transport, work.op, work.seq)
-        deadline = time.monotonic() + (work.op_timeout or self.timeout)
+        t0 = time.monotonic()
+        self.current = (work.op, work.seq, t0)
+        deadline = t0 + (work.op_timeout or self.timeout)
         try:
             task(work.seq, deadline)
         except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            hangdump.on_failure(self, exc)
+            self.current = None
             # Arguments were validated before submission, so any failure here happened
             # mid-collective: peers may be waiting for frames that will never come. The
             # group is broken and the transports are aborted so that they fail fast too.
@@ -164,6 +174,11 @@ class Communicator:
             log.error("pycoll rank %d: %s", self.rank, exc)
             work.complete(exc)
         else:
+            t1 = time.monotonic()
+            self.arrivals.append((work.seq, work.op, t0, t1))
+            self.current = None
+            if self.tracer is not None:
+                self.tracer(("op", work.op, work.seq, t0, t1, self.mode))
             work.complete()
 
     def _work_loop(self) -> None:
@@ -186,6 +201,10 @@ class Communicator:
         sched = cached_schedule(collective, algo, rank, world, *args)
         executor.run(sched, bufs, sig, reduction, deadline)
 
+    def describe_pending(self) -> str:
+        """What this rank waits for now: collective, sequence, step, peer, bytes done of total."""
+        return hangdump.describe(self)
+
     # -- lifecycle -------------------------------------------------------------------
     def shutdown(self, abort: bool = False) -> None:
         """Finish (or, with ``abort``, fail) queued ops, then release sockets and threads."""
@@ -196,6 +215,7 @@ class Communicator:
             self._cv.notify_all()
         if threading.current_thread() is not self._worker:
             self._worker.join(self.timeout if not abort else 5)
+        trace.detach(self, abort)
         self.p2p.close()
         self.transport.close()
         if self.arena is not None:

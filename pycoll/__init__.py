@@ -15,6 +15,7 @@ from .errors import (AuthenticationError, CommError, CommTimeoutError, MismatchE
                      PeerClosedError, ProtocolError, PycollError)
 from .stragglers import stats
 from .torch_backend import ProcessGroupPycoll, create
+from .partial import PartialAllReduce  # eager-SGD partial all-reduce; also pycoll.partial.*
 
 __version__ = "0.1.0"
 BACKEND_NAME = "pycoll"

@@ -1,0 +1,357 @@
+"""Partial all-reduce (eager-SGD, Li et al. PPoPP 2020): solo and majority, bounded staleness.
+
+::
+
+    par = pycoll.partial.PartialAllReduce(grad, mode="majority", max_staleness=4)
+    for step in range(n):
+        work = par.submit(grad)          # deposit this step's tensor; returns at once
+        total = work.wait()              # round `step`'s SUM; work.count deposits are in it
+        ...                              # e.g. apply total / work.count
+    leftover = par.flush()               # collective: the rounds no submit was paired with
+    par.close()
+
+A *round* is one all-reduce over a private process group (``dist.new_group``: its
+collectives never interleave with the user's). A background progress thread per rank
+takes part in every round on the rank's behalf, so a slow rank's training thread need not
+be there. Round k starts when its *initiator* arrives — solo: the first rank to deposit
+its k-th tensor; majority: ``majority_initiator(seed, k)``, the same pseudo-random rank on
+every rank — which sends an activation message (p2p, any-source receive) to every peer.
+Each progress thread then contributes every pending deposit of index <= k and joins the
+all-reduce of one buffer ``[data..., metadata per rank]``. A deposit made too late for a
+round goes to a later one: never lost, never counted twice. Bounded staleness, counters and
+pairing of deposits with rounds are in ``partial_rounds.py``; docs/partial.md has the rest.
+
+Activations carry their round number in the payload, on one fixed tag, and each rank keeps
+exactly one any-source receive posted: torch.distributed cannot cancel a posted receive,
+so a per-round tag would leave one dangling receive behind every round a rank started
+alone. Duplicates (several solo initiators) and stale activations are recognised by their
+round number and dropped. Everything above uses the public torch.distributed API of the
+group only, so it runs over any pycoll transport (TCP, shared memory) and any backend
+with any-source receives.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from datetime import timedelta
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .errors import CommTimeoutError, PycollError
+from .partial_rounds import FIELDS, MODES, NF, Contribution, Ledger, RoundInfo, majority_initiator
+
+__all__ = ["PartialAllReduce", "PartialWork", "RoundResult", "RoundInfo", "majority_initiator", "MODES"]
+
+ACTIVATION_TAG = 0x5041  # "PA"; the group is private, so it cannot collide with user tags
+# Metadata shares the data's buffer: dtypes that hold small integers exactly (< 2**24).
+DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
+DEFAULT_TIMEOUT = 1800.0
+
+
+class RoundResult(NamedTuple):
+    tensor: torch.Tensor   # SUM of the deposits in the round, shaped like the template
+    count: int             # how many deposits (over all ranks) it holds
+    info: RoundInfo
+
+    def mean(self) -> torch.Tensor:
+        """``tensor / count``; zeros for a round with no deposit (only after a flush)."""
+        return self.tensor / self.count if self.count else torch.zeros_like(self.tensor)
+
+
+class PartialWork:
+    """The handle of one deposit: resolves to the result of the round paired with it."""
+
+    def __init__(self, owner: "PartialAllReduce", round_: int) -> None:
+        self._owner, self.round = owner, round_
+        self._result: RoundResult | None = None
+
+    def is_completed(self) -> bool:
+        return self._result is not None or self._owner._completed(self.round)
+
+    def result(self, timeout: float | None = None) -> RoundResult:
+        if self._result is None:
+            self._result = self._owner._claim(self.round, timeout)
+        return self._result
+
+    def wait(self, timeout: float | None = None) -> torch.Tensor:
+        """Block until round ``self.round`` is done; its SUM (``count`` deposits in it)."""
+        return self.result(timeout).tensor
+
+    @property
+    def count(self) -> int:
+        return self.result().count
+
+    @property
+    def info(self) -> RoundInfo:
+        return self.result().info
+
+
+class PartialAllReduce:
+    """A persistent partial SUM all-reduce of tensors shaped like ``like`` over ``group``.
+
+    Collective: every rank of ``group`` constructs it (it creates a process group), calls
+    ``submit`` once per step, and calls ``flush``/``close`` together at the end.
+    ``max_staleness`` = K bounds every contribution's age to K rounds (0: synchronous).
+    """
+
+    def __init__(self, like: torch.Tensor, group=None, mode: str = "solo", max_staleness: int = 4,
+                 seed: int = 0, timeout: float | timedelta | None = None, history: int = 4096) -> None:
+        if not isinstance(like, torch.Tensor) or like.dtype not in DTYPES or like.device.type != "cpu":
+            raise TypeError(f"PartialAllReduce: the template must be a CPU tensor of one of "
+                            f"{[str(d) for d in DTYPES]}, got {getattr(like, 'dtype', type(like))}")
+        group = group if group is not None else dist.group.WORLD
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self._ledger = Ledger(self.world, mode, max_staleness, seed)
+        self.mode, self.max_staleness, self.seed = mode, max_staleness, seed
+        self.shape, self.dtype, self._n = tuple(like.shape), like.dtype, like.numel()
+        if isinstance(timeout, timedelta):
+            timeout = timeout.total_seconds()
+        self.timeout = float(timeout or DEFAULT_TIMEOUT)
+        ranks = dist.get_process_group_ranks(group)
+        self._pg = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout),
+                                  use_local_synchronization=group is not dist.group.WORLD)
+        self._peers = [ranks[r] for r in range(self.world) if r != self.rank]
+        self._cv = threading.Condition()
+        self._deposits: deque[tuple[int, torch.Tensor]] = deque()
+        self._free: list[torch.Tensor] = []
+        self._next = 0                     # index of this rank's next deposit
+        self._results: dict[int, RoundResult] = {}
+        self._done = 0                     # rounds completed
+        self._flushing = False
+        self._flushes = 0
+        self._flush_round = -1
+        self._error: BaseException | None = None
+        self._closed = False
+        self._activated: set[int] = set()
+        self._inbox_ready = False
+        self._inbox: tuple | None = None
+        self._sends: list[tuple] = []
+        self.history: deque[RoundInfo] = deque(maxlen=history)
+        self._thread = threading.Thread(target=self._progress, name=f"pycoll-partial-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ---- the training thread's side ---------------------------------------------------
+    def submit(self, tensor: torch.Tensor) -> PartialWork:
+        """Deposit ``tensor`` (copied); the handle resolves to the round paired with it."""
+        if tensor.numel() != self._n or tensor.dtype != self.dtype:
+            raise ValueError(f"PartialAllReduce.submit: expected {self.dtype}[{self._n}], got "
+                             f"{tensor.dtype}[{tensor.numel()}]")
+        with self._cv:
+            self._check("submit")
+            if self._flushing:
+                raise RuntimeError("PartialAllReduce.submit: a flush is in progress")
+            buf = self._free.pop() if self._free else torch.empty(self._n, dtype=self.dtype)
+        with torch.no_grad():
+            buf.copy_(tensor.reshape(-1))
+        with self._cv:
+            index = self._next
+            self._next += 1
+            self._deposits.append((index, buf))
+            self._cv.notify_all()
+        return PartialWork(self, index)
+
+    def flush(self, timeout: float | None = None) -> list[RoundResult]:
+        """Collective: run rounds until every rank's deposits are all in; return the results
+        of the rounds this rank did not pair with a submit (possibly none), in order."""
+        with self._cv:
+            self._check("flush")
+            start, gen = self._next, self._flushes
+            self._flushing = True
+            self._cv.notify_all()
+            self._wait_for(lambda: self._flushes != gen, timeout, "flush")
+            return [self._results.pop(k) for k in range(start, self._flush_round + 1)]
+
+    def close(self, flush: bool = True) -> None:
+        """Collective: flush (unless ``flush=False``), stop the progress thread, release the group."""
+        if self._closed:
+            return
+        if flush and self._error is None:
+            self.flush()
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(5)
+        if self._error is None and flush:
+            dist.barrier(group=self._pg)   # nobody may still be reading the last round
+        try:
+            dist.destroy_process_group(self._pg)
+        except (RuntimeError, ValueError):
+            self._pg.shutdown()  # pycoll subgroups lack a c10d group name (see docs/partial.md)
+
+    def __enter__(self) -> "PartialAllReduce":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(flush=exc[0] is None)
+
+    @property
+    def last_round(self) -> RoundInfo | None:
+        return self.history[-1] if self.history else None
+
+    def _completed(self, k: int) -> bool:
+        return self._done > k
+
+    def _claim(self, k: int, timeout: float | None) -> RoundResult:
+        with self._cv:
+            self._wait_for(lambda: self._done > k, timeout, f"round {k}")
+            if k not in self._results:
+                raise RuntimeError(f"PartialAllReduce: the result of round {k} was already taken")
+            return self._results.pop(k)
+
+    def _wait_for(self, pred, timeout, what: str) -> None:
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while not pred():
+            self._check(what)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise CommTimeoutError(f"PartialAllReduce rank {self.rank}: {what} not done after "
+                                       f"{self.timeout if timeout is None else timeout} s",
+                                       op="partial_all_reduce", seq=self._done, rank=self.rank)
+            self._cv.wait(left)
+
+    def _check(self, what: str) -> None:
+        if self._error is not None:
+            raise PycollError(f"PartialAllReduce rank {self.rank}: {what}: the progress thread "
+                              f"failed: {self._error}") from self._error
+        if self._closed:
+            raise PycollError(f"PartialAllReduce rank {self.rank}: {what} after close()")
+
+    # ---- the progress thread -----------------------------------------------------------
+    def _progress(self) -> None:
+        try:
+            if self.world > 1:
+                self._post_inbox()
+            while self._round():
+                pass
+        except BaseException as exc:  # noqa: BLE001 - rethrown on the user's next call
+            with self._cv:
+                if not self._closed:
+                    self._error = exc
+                self._cv.notify_all()
+
+    def _round(self) -> bool:
+        led, k = self._ledger, self._ledger.k
+        how = self._await(lambda: self._trigger(k), lambda: self._waiting_for_trigger(k))
+        if how is None:
+            return False
+        if how == "initiate":
+            self._activate(k)
+        need = led.must_include(self.rank)
+        if need is not None and self._await(lambda: self._next > need or self._flushing,
+                                            lambda: f"its own deposit {need} (staleness bound)") is None:
+            return False
+        buf, mine = self._snapshot(k, how == "initiate")
+        dist.all_reduce(buf, group=self._pg)
+        rows = buf[self._n:].view(self.world, NF).to(torch.int64).tolist()  # exact small ints
+        info = led.close_round(rows)
+        if info.counts[self.rank] != mine.count:
+            raise RuntimeError(f"PartialAllReduce round {k}: metadata says rank {self.rank} "
+                               f"contributed {info.counts[self.rank]}, it sent {mine.count}")
+        result = RoundResult(buf[:self._n].view(self.shape), info.count, info)
+        with self._cv:
+            self._results[k] = result
+            self.history.append(info)
+            self._done = k + 1
+            if info.flush:
+                self._flushing = False
+                self._flush_round = k
+                self._flushes += 1
+                self._next = k + 1          # deposit index == round index again
+            self._cv.notify_all()
+        self._activated = {m for m in self._activated if m > k}
+        return True
+
+    def _trigger(self, k: int) -> str | None:
+        if k in self._activated:
+            return "activated"
+        if self._ledger.may_initiate(self.rank) and (self._next > k or self._flushing):
+            return "initiate"
+        return None
+
+    def _waiting_for_trigger(self, k: int) -> str:
+        who = self._ledger.initiator()
+        src = "any rank" if who is None else f"rank {who}"
+        return f"round {k} to start (an activation from {src}, or this rank's deposit {k})"
+
+    def _await(self, ready, describe):
+        """Wait for ``ready()`` (truthy) while serving activations; None once closed."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            with self._cv:
+                while not self._inbox_ready:
+                    if self._closed:
+                        return None
+                    value = ready()
+                    if value:
+                        return value
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise CommTimeoutError(
+                            f"PartialAllReduce rank {self.rank}: waited {self.timeout} s for "
+                            f"{describe()}", op="partial_all_reduce", seq=self._ledger.k, rank=self.rank)
+                    self._cv.wait(left)
+                self._inbox_ready = False
+            self._take_activation()  # outside the lock: it posts a receive
+
+    def _snapshot(self, k: int, initiated: bool) -> tuple[torch.Tensor, Contribution]:
+        """This rank's slot for round k: every pending deposit of index <= k, plus metadata."""
+        taken = []
+        with self._cv:
+            while self._deposits and self._deposits[0][0] <= k:
+                taken.append(self._deposits.popleft())
+            left, flushing = len(self._deposits), self._flushing
+        buf = torch.zeros(self._n + self.world * NF, dtype=self.dtype)
+        data = buf[:self._n]
+        for _, t in taken:
+            data.add_(t)
+        mine = Contribution(len(taken), taken[0][0] if taken else 0, taken[-1][0] if taken else 0,
+                            initiated, flushing, left)
+        buf[self._n + self.rank * NF:self._n + (self.rank + 1) * NF] = torch.tensor(mine.row(k), dtype=self.dtype)
+        if taken:
+            with self._cv:
+                self._free.extend(t for _, t in taken)
+        return buf, mine
+
+    # ---- activation messages -----------------------------------------------------------
+    def _post_inbox(self) -> None:
+        buf = torch.empty(2, dtype=torch.int64)
+        work = dist.irecv(buf, src=None, group=self._pg, tag=ACTIVATION_TAG)
+        self._inbox = (work, buf)
+        work.get_future().add_done_callback(self._on_inbox)
+
+    def _on_inbox(self, _fut) -> None:
+        # Runs on the backend's thread: only flag and notify, never call into the backend.
+        with self._cv:
+            self._inbox_ready = True
+            self._cv.notify_all()
+
+    def _take_activation(self) -> None:
+        work, buf = self._inbox
+        if self._closed:
+            return
+        work.wait()  # already complete: re-raises a failed receive
+        k, _src = buf.tolist()
+        if k >= self._ledger.k:
+            self._activated.add(k)
+        self._post_inbox()
+
+    def _activate(self, k: int) -> None:
+        still = []
+        for work, payload in self._sends:
+            if work.is_completed():
+                work.wait()  # re-raises a failed send
+            else:
+                still.append((work, payload))
+        payload = torch.tensor([k, self.rank], dtype=torch.int64)
+        for peer in self._peers:
+            still.append((dist.isend(payload, dst=peer, group=self._pg, tag=ACTIVATION_TAG), payload))
+        self._sends = still
+
+
+assert FIELDS[0] == "count"  # Contribution.row and close_round agree on the field order

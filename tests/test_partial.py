@@ -1,0 +1,318 @@
+"""Partial all-reduce (eager-SGD): solo and majority semantics, the staleness bound,
+conservation, round_info, both transports, and ddp's sync modes.
+
+The bookkeeping (``pycoll.partial_rounds``) is pure and tested on plain numbers first; the
+rest runs real ranks (tests/harness.py) over PYCOLL_TRANSPORT=tcp and shm.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pycoll.partial_rounds import NF, Contribution, Ledger, majority_initiator
+from tests.harness import RankFailure, run_ranks
+
+pytestmark = pytest.mark.timeout(60)
+
+TRANSPORTS = ("tcp", "shm")
+
+
+# ---- pure bookkeeping ------------------------------------------------------------------
+def test_majority_initiator_is_deterministic_and_spread():
+    seq = [majority_initiator(7, k, 4) for k in range(4000)]
+    assert seq == [majority_initiator(7, k, 4) for k in range(4000)]
+    assert seq != [majority_initiator(8, k, 4) for k in range(4000)]
+    counts = collections.Counter(seq)
+    assert set(counts) == {0, 1, 2, 3} and min(counts.values()) > 850
+
+
+def _rows(world, k, slots):
+    rows = [[0] * NF for _ in range(world)]
+    for r, c in slots.items():
+        rows[r] = c.row(k)
+    return rows
+
+
+def test_ledger_requires_ranks_left_out_too_long():
+    led = Ledger(3, "solo", max_staleness=2)
+    assert led.required() == ()                      # round 0: nobody is late yet
+    for k in range(2):                               # rank 2 is left out of rounds 0 and 1
+        info = led.close_round(_rows(3, k, {0: Contribution(1, k, k), 1: Contribution(1, k, k)}))
+        assert info.contributors == (0, 1) and info.misses[2] == k + 1
+    assert led.required() == (2,) and led.must_include(2) == 0 and led.must_include(0) is None
+    info = led.close_round(_rows(3, 2, {0: Contribution(1, 2, 2), 2: Contribution(2, 0, 1)}))
+    assert info.required == (2,) and info.ages[2] == (1, 2) and info.max_age == 2
+    assert info.count == 3 and info.misses == (0, 1, 0)
+
+
+def test_ledger_zero_staleness_is_synchronous():
+    led = Ledger(2, "majority", max_staleness=0, seed=3)
+    assert led.required() == (0, 1)
+    assert led.may_initiate(majority_initiator(3, 0, 2))
+    assert not led.may_initiate(1 - majority_initiator(3, 0, 2))
+
+
+def test_ledger_flush_resets_and_rejects_double_counting():
+    led = Ledger(2, "solo", max_staleness=1)
+    led.close_round(_rows(2, 0, {0: Contribution(1, 0, 0, flushing=True)}))
+    info = led.close_round(_rows(2, 1, {0: Contribution(0, flushing=True),
+                                        1: Contribution(2, 0, 1, flushing=True)}))
+    assert info.flush and led.base == 2 and led.last == [1, 1] and led.misses == [0, 0]
+    with pytest.raises(RuntimeError, match="already contributed"):
+        led.close_round(_rows(2, 2, {0: Contribution(1, 1, 1)}))
+    with pytest.raises(ValueError):
+        Ledger(2, "quorum", 1)
+    with pytest.raises(ValueError):
+        Ledger(2, "solo", -1)
+
+
+# ---- real ranks ------------------------------------------------------------------------
+def _conservation(rank, world, mode, k_max, steps, delay_s):
+    import pycoll
+
+    rng = random.Random(1000 + rank)
+    par = pycoll.partial.PartialAllReduce(torch.zeros(3, 4, dtype=torch.float64), mode=mode,
+                                          max_staleness=k_max, seed=5)
+    submitted = torch.zeros(3, 4, dtype=torch.float64)
+    received = torch.zeros(3, 4, dtype=torch.float64)
+    paired = []
+    for step in range(steps):
+        time.sleep(rng.random() * delay_s * (rank + 1))     # higher ranks are slower on average
+        x = torch.randint(-1000, 1000, (3, 4)).double()
+        submitted += x
+        work = par.submit(x)
+        received += work.wait()
+        assert work.round == step and work.is_completed()
+        paired.append(work.info)
+    late = par.flush()
+    for res in late:
+        received += res.tensor
+    history = list(par.history)
+    par.close()
+    return {"submitted": submitted, "received": received, "paired": paired,
+            "late": [r.info for r in late], "history": history}
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+def test_conservation_and_bound_under_random_delays(mode, transport):
+    world, k_max, steps = 3, 2, 30
+    out = run_ranks(_conservation, world, mode, k_max, steps, 0.004, backend="pycoll", timeout=50,
+                    env={"PYCOLL_TRANSPORT": transport})
+    total = sum(o["submitted"] for o in out)
+    for o in out:  # every rank sees every round: the sum of all results is all that was submitted
+        assert torch.equal(o["received"], total)
+        assert o["history"] == out[0]["history"]          # round_info is the same everywhere
+    paired = out[0]["paired"]
+    assert [i.round for i in out[0]["history"]] == list(range(len(out[0]["history"])))
+    assert sum(i.count for i in out[0]["history"]) == world * steps
+    assert max(i.max_age for i in paired) <= k_max
+    assert max(max(i.misses) for i in paired) <= k_max
+    assert all(i.initiators for i in paired)
+    if mode == "majority":
+        assert all(i.initiators == (majority_initiator(5, i.round, world),) for i in paired)
+    assert out[0]["history"][-1].flush
+
+
+def test_conservation_with_fault_injected_delays():
+    out = run_ranks(_conservation, 2, "solo", 1, 20, 0.0, backend="pycoll", timeout=50,
+                    env={"PYCOLL_FAULT": "rank=1:delay=0.003"})
+    assert torch.equal(out[0]["received"], out[0]["submitted"] + out[1]["submitted"])
+    assert max(i.max_age for i in out[0]["paired"]) <= 1
+
+
+def _solo_first_arrival(rank, world):
+    import pycoll
+
+    par = pycoll.partial.PartialAllReduce(torch.zeros(2), mode="solo", max_staleness=3)
+    if rank == 1:
+        time.sleep(0.3)                      # round 0 must not wait for this rank
+    t0 = time.perf_counter()
+    r0 = par.submit(torch.full((2,), float(rank + 1))).result()
+    waited = time.perf_counter() - t0
+    r1 = par.submit(torch.full((2,), 10.0 * (rank + 1))).result()
+    late = par.flush()
+    par.close()
+    return r0, r1, late, waited
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_solo_first_arrival_triggers_and_late_deposit_carries_over(transport):
+    (a0, a1, alate, waited0), (b0, b1, _, waited1) = run_ranks(
+        _solo_first_arrival, 2, backend="pycoll", timeout=30, env={"PYCOLL_TRANSPORT": transport})
+    assert a0.info == b0.info and a1.info == b1.info
+    assert a0.info.initiators == (0,) and a0.info.contributors == (0,)
+    assert a0.tensor.tolist() == [1.0, 1.0] and a0.count == 1
+    assert waited0 < 0.2                                      # rank 0 did not wait for rank 1
+    # Rank 1's late deposit is in a later round, with its age; nothing lost or doubled.
+    rounds = [a1] + alate
+    where = [r for r in rounds if r.info.counts[1]]
+    assert sum(r.info.counts[1] for r in rounds) == 2 and where[0].info.ages[1][1] >= 1
+    assert sum(r.tensor[0].item() for r in [a0] + rounds) == 1 + 10 + 2 + 20
+    assert waited1 < 0.1  # rank 1 arrives after round 0 is done: its result is waiting
+
+
+def _majority_waits_for_initiator(rank, world, seed):
+    import pycoll
+
+    slow = majority_initiator(seed, 0, world)
+    par = pycoll.partial.PartialAllReduce(torch.zeros(1), mode="majority", max_staleness=4, seed=seed)
+    if rank == slow:
+        time.sleep(0.2)
+    t0 = time.perf_counter()
+    res = par.submit(torch.ones(1)).result()
+    waited = time.perf_counter() - t0
+    par.flush()
+    par.close()
+    return res.info, waited, slow
+
+
+def test_majority_round_waits_for_its_initiator():
+    out = run_ranks(_majority_waits_for_initiator, 3, 11, backend="pycoll", timeout=30)
+    info, _, slow = out[0]
+    assert info.initiators == (slow,) and slow in info.contributors
+    for rank, (_, waited, _) in enumerate(out):
+        if rank != slow:
+            assert waited > 0.1  # nobody started round 0 without its initiator
+
+
+def _always_slow(rank, world, k_max, steps):
+    import pycoll
+
+    par = pycoll.partial.PartialAllReduce(torch.zeros(2, dtype=torch.int64), mode="solo",
+                                          max_staleness=k_max)
+    ahead = []
+    for step in range(steps):
+        if rank == 1:
+            time.sleep(0.02)                  # a permanently slow rank
+        work = par.submit(torch.ones(2, dtype=torch.int64))
+        work.wait()
+        ahead.append(par.last_round.round - step)   # rounds run ahead of this rank's steps
+    par.flush()
+    history = list(par.history)
+    par.close()
+    return history, ahead
+
+
+@pytest.mark.parametrize("k_max", [0, 2])
+def test_staleness_bound_is_enforced_for_a_permanently_slow_rank(k_max):
+    steps = 12
+    (history, ahead0), (_, ahead1) = run_ranks(_always_slow, 2, k_max, steps, backend="pycoll", timeout=30)
+    body = [i for i in history if i.round < steps]
+    assert all(i.misses[1] <= k_max for i in body)                 # never left out > K in a row
+    assert all(i.ages[1] is None or i.ages[1][1] <= k_max for i in body)   # never older than K
+    if k_max == 0:
+        assert all(i.counts == (1, 1) and i.max_age == 0 for i in body)   # synchronous
+    else:
+        assert any(i.required == (1,) for i in body)                 # the bound made rounds wait
+        assert any(i.ages[1] and i.ages[1][1] == k_max for i in body)
+    assert max(ahead1) <= k_max and max(ahead0) <= 0
+
+
+def _errors(rank, world):
+    import pycoll
+
+    par = pycoll.partial.PartialAllReduce(torch.zeros(4))
+    with pytest.raises(ValueError, match="expected"):
+        par.submit(torch.zeros(5))
+    with pytest.raises(TypeError):
+        pycoll.partial.PartialAllReduce(torch.zeros(2, dtype=torch.float16))
+    par.close()
+    with pytest.raises(pycoll.PycollError, match="after close"):
+        par.submit(torch.zeros(4))
+    return True
+
+
+def test_misuse_raises_clear_errors():
+    assert run_ranks(_errors, 2, backend="pycoll", timeout=30) == [True, True]
+
+
+# ---- ddp -------------------------------------------------------------------------------
+def _ddp_train(rank, world, sync, steps, delay):
+    import ddp
+    from tests.test_ddp_support import mlp
+
+    torch.manual_seed(0)
+    model = ddp.DistributedDataParallel(mlp(), sync=sync, max_staleness=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    w_true = torch.randn(6, 3, generator=torch.Generator().manual_seed(9))
+    losses = []
+    for _ in range(steps):
+        if delay and random.random() < 0.5:
+            time.sleep(delay)
+        x = torch.randn(16, 6, generator=gen)
+        loss = ((model(x) - x @ w_true) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    counts = None
+    if model.partial is not None:
+        model.partial.close()                    # flushes: late gradients land in extra rounds
+        counts = [i.count for i in model.partial.allreduce.history]
+    params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return params, losses, counts
+
+
+@pytest.mark.parametrize("sync", ["solo", "majority"])
+def test_ddp_partial_sync_trains_like_full_sync(sync):
+    steps = 40
+    full = run_ranks(_ddp_train, 2, "full", steps, 0.0, backend="pycoll", timeout=40)
+    part = run_ranks(_ddp_train, 2, sync, steps, 0.0, backend="pycoll", timeout=40)
+    assert torch.equal(part[0][0], part[1][0])        # replicas identical at equal step counts
+    full_loss = sum(full[0][1][-10:]) / 10
+    part_loss = sum(part[0][1][-10:]) / 10
+    assert part_loss < 0.5 * sum(part[0][1][:5]) / 5  # it learns
+    assert abs(part_loss - full_loss) <= 0.25 * full_loss + 1e-3
+    rel = (part[0][0] - full[0][0]).norm() / full[0][0].norm()
+    assert rel < 0.1
+    assert sum(part[0][2]) == 2 * steps              # every gradient applied exactly once
+
+
+def test_ddp_partial_sync_with_stragglers_keeps_replicas_identical():
+    out = run_ranks(_ddp_train, 2, "solo", 20, 0.01, backend="pycoll", timeout=40,
+                    env={"PYCOLL_TRANSPORT": "tcp"})
+    assert torch.equal(out[0][0], out[1][0]) and sum(out[0][2]) == 40
+
+
+def _ddp_refuses(rank, world):
+    import ddp
+    from tests.test_ddp_support import batchnorm, mlp
+
+    with pytest.raises(ValueError, match="sync must be one of"):
+        ddp.DistributedDataParallel(mlp(), sync="quorum")
+    with pytest.raises(ValueError, match="find_unused_parameters"):
+        ddp.DistributedDataParallel(mlp(), sync="solo", find_unused_parameters=True)
+    with pytest.raises(ValueError, match="broadcast_buffers=False"):
+        ddp.DistributedDataParallel(batchnorm(), sync="majority")
+    return True
+
+
+def test_ddp_partial_sync_refuses_per_step_collectives():
+    assert run_ranks(_ddp_refuses, 2, backend="pycoll", timeout=30) == [True, True]
+
+
+def test_dead_rank_fails_the_others_instead_of_hanging():
+    with pytest.raises(RankFailure, match="rank 0 failed(.|\n)*progress thread failed"):
+        run_ranks(_dies_midway, 2, backend="pycoll", timeout=20, may_die=(1,))
+
+
+def _dies_midway(rank, world):
+    import os
+    import signal
+
+    import pycoll
+
+    par = pycoll.partial.PartialAllReduce(torch.zeros(2), mode="solo", max_staleness=1, timeout=5)
+    for step in range(5):
+        if rank == 1 and step == 2:
+            os.kill(os.getpid(), signal.SIGKILL)
+        par.submit(torch.ones(2)).wait(timeout=8)
+    return dist.get_rank()

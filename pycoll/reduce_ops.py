@@ -60,6 +60,8 @@ _INT_ARITH = {"sum": _sum, "product": _prod, "avg": _sum}
 _BITWISE = {"band": _band, "bor": _bor, "bxor": _bxor}
 
 
+_OUT_OF_PLACE = {_sum: torch.add, _prod: torch.mul, _min: torch.minimum, _max: torch.maximum,
+                 _band: torch.bitwise_and, _bor: torch.bitwise_or, _bxor: torch.bitwise_xor}
 _NP = {"sum": np.add, "avg": np.add, "premul_sum": np.add, "product": np.multiply, "min": np.minimum,
        "max": np.maximum, "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 _NP_BOOL = {"sum": np.logical_or, "max": np.logical_or, "bor": np.logical_or, "product": np.logical_and,
@@ -75,6 +77,10 @@ class Reduction:
     factor: float | None = None  # PREMUL_SUM factor applied to local input
     divisor: int = 1             # AVG: divide the result by the world size
     ufunc: Callable | None = None  # the same op as a numpy ufunc (small messages), if numpy has the dtype
+
+    def combine(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = a op b`` in one pass (saves the copy of ``out = a; out op= b``)."""
+        _OUT_OF_PLACE[self.kernel](a, b, out=out)
 
     def prepare(self, t: torch.Tensor) -> None:
         """Scale a working copy of the local contribution in place (PREMUL_SUM)."""

@@ -6,8 +6,9 @@ Every collective runs in rounds over the double-buffered staging slots of an ``S
 k only between round k's first barrier and its own next barrier, and writes a slot half
 only after a barrier of the round before; so no write can overtake a peer's read.
 
-- all_reduce, small (<= ONE_SHOT_BYTES): each rank writes its input, one barrier, each rank
-  reduces all inputs in rank order (bitwise the same result everywhere). 1 barrier.
+- all_reduce, small (<= ONE_SHOT_BYTES) or two ranks: each rank writes its input, one
+  barrier, each rank reduces all inputs in rank order (bitwise the same result
+  everywhere). 1 barrier a round.
 - all_reduce, large: write input, barrier, rank r reduces slice r of every input in place
   in its own slot (an in-memory reduce-scatter), barrier, every rank copies all reduced
   slices out (an in-memory all-gather). 2 barriers a round; each rank reads ~2n bytes.
@@ -136,11 +137,20 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
                 for q in range(2, L):
                     red.ufunc(tn, slots[q], out=tn)
             return
-        arena.slot(me, p, dt)[:n].copy_(t)
-        barrier()
-        t.copy_(arena.slot(0, p, dt)[:n])
-        for q in range(1, L):
-            red.kernel(t, arena.slot(q, p, dt)[:n])
+    if L <= 2 or n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):
+        # One-shot rounds: every rank reduces the whole round, in rank order, straight into
+        # its output. With two ranks this moves no more bytes than reduce-scatter +
+        # all-gather and needs one barrier a round instead of two.
+        for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
+            p = arena.next_parity()
+            slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
+            slots[me].copy_(t[off:off + c])
+            barrier()
+            if L > 1:
+                out = t[off:off + c]
+                red.combine(slots[0], slots[1], out)
+                for q in range(2, L):
+                    red.kernel(out, slots[q])
         return
     for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
         p = arena.next_parity()

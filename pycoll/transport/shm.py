@@ -203,6 +203,9 @@ class ShmArena:
     def close(self) -> None:
         if self.closed:
             return
+        # Tell peers still waiting in a barrier that this rank is gone (a clean destroy
+        # keeps the process alive, so the pid check alone would not end their wait).
+        self.abort()
         self.closed = True
         # The numpy/torch/ctypes views export the mmap's buffer; drop them before closing.
         del self._ctrl, self._sig, self._slots

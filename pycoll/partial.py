@@ -127,6 +127,8 @@ class PartialAllReduce:
         self._flush_round = -1
         self._error: BaseException | None = None
         self._closed = False
+        self._driver: str | None = None    # who runs rounds now: "thread", "user" or nobody
+        self._waiting = 0                  # user threads blocked in wait/flush (they drive)
         self._activated: set[int] = set()
         self._inbox_ready = False
         self._inbox: tuple | None = None
@@ -164,7 +166,8 @@ class PartialAllReduce:
             start, gen = self._next, self._flushes
             self._flushing = True
             self._cv.notify_all()
-            self._wait_for(lambda: self._flushes != gen, timeout, "flush")
+        self._drive_until(lambda: self._flushes != gen, timeout, "flush")
+        with self._cv:
             return [self._results.pop(k) for k in range(start, self._flush_round + 1)]
 
     def close(self, flush: bool = True) -> None:
@@ -198,22 +201,59 @@ class PartialAllReduce:
         return self._done > k
 
     def _claim(self, k: int, timeout: float | None) -> RoundResult:
+        self._drive_until(lambda: self._done > k, timeout, f"round {k}")
         with self._cv:
-            self._wait_for(lambda: self._done > k, timeout, f"round {k}")
             if k not in self._results:
                 raise RuntimeError(f"PartialAllReduce: the result of round {k} was already taken")
             return self._results.pop(k)
 
-    def _wait_for(self, pred, timeout, what: str) -> None:
-        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
-        while not pred():
-            self._check(what)
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise CommTimeoutError(f"PartialAllReduce rank {self.rank}: {what} not done after "
-                                       f"{self.timeout if timeout is None else timeout} s",
-                                       op="partial_all_reduce", seq=self._done, rank=self.rank)
-            self._cv.wait(left)
+    def _drive_until(self, done, timeout: float | None, what: str) -> None:
+        """Wait for ``done()``; meanwhile run rounds in this thread, the progress thread
+        stepping aside (it serves rounds only while the user's thread is busy elsewhere).
+        On the common path (submit, then wait) this costs no thread handoff at all."""
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._cv:
+            self._waiting += 1
+        try:
+            while True:
+                with self._cv:
+                    while True:
+                        if done():
+                            return
+                        self._check(what)
+                        if self._driver is None:
+                            self._driver = "user"
+                            break
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise self._timeout_error(f"{what} not done after {limit} s")
+                        self._cv.wait(left)
+                try:
+                    self._round(deadline, what)
+                except CommTimeoutError:
+                    raise           # only raised before the round's all-reduce: nothing broken
+                except BaseException as exc:
+                    self._fail(exc)
+                    raise
+                finally:
+                    with self._cv:
+                        self._driver = None
+                        self._cv.notify_all()
+        finally:
+            with self._cv:
+                self._waiting -= 1
+                self._cv.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._cv:
+            if self._error is None and not self._closed:
+                self._error = exc
+            self._cv.notify_all()
+
+    def _timeout_error(self, msg: str) -> CommTimeoutError:
+        return CommTimeoutError(f"PartialAllReduce rank {self.rank}: {msg}", op="partial_all_reduce",
+                                seq=self._ledger.k, rank=self.rank)
 
     def _check(self, what: str) -> None:
         if self._error is not None:
@@ -227,25 +267,36 @@ class PartialAllReduce:
         try:
             if self.world > 1:
                 self._post_inbox()
-            while self._round():
-                pass
+            while True:
+                with self._cv:
+                    while (self._driver is not None or self._waiting) and not self._closed:
+                        self._cv.wait()
+                    if self._closed:
+                        return
+                    self._driver = "thread"
+                try:
+                    self._round(None, "")
+                finally:
+                    with self._cv:
+                        self._driver = None
+                        self._cv.notify_all()
         except BaseException as exc:  # noqa: BLE001 - rethrown on the user's next call
-            with self._cv:
-                if not self._closed:
-                    self._error = exc
-                self._cv.notify_all()
+            self._fail(exc)
 
-    def _round(self) -> bool:
+    def _round(self, deadline: float | None, what: str) -> None:
+        """Run round k, or step back (return early) before it starts. ``deadline``: the user
+        thread's (the progress thread waits without one: an idle rank is not an error)."""
         led, k = self._ledger, self._ledger.k
-        how = self._await(lambda: self._trigger(k), lambda: self._waiting_for_trigger(k))
+        how = self._await(lambda: self._trigger(k), lambda: self._waiting_for_trigger(k), deadline, what)
         if how is None:
-            return False
+            return
         if how == "initiate":
             self._activate(k)
         need = led.must_include(self.rank)
         if need is not None and self._await(lambda: self._next > need or self._flushing,
-                                            lambda: f"its own deposit {need} (staleness bound)") is None:
-            return False
+                                            lambda: f"its own deposit {need} (staleness bound)",
+                                            deadline, what) is None:
+            return
         buf, mine = self._snapshot(k, how == "initiate")
         dist.all_reduce(buf, group=self._pg)
         rows = buf[self._n:].view(self.world, NF).to(torch.int64).tolist()  # exact small ints
@@ -265,7 +316,6 @@ class PartialAllReduce:
                 self._next = k + 1          # deposit index == round index again
             self._cv.notify_all()
         self._activated = {m for m in self._activated if m > k}
-        return True
 
     def _trigger(self, k: int) -> str | None:
         if k in self._activated:
@@ -279,22 +329,23 @@ class PartialAllReduce:
         src = "any rank" if who is None else f"rank {who}"
         return f"round {k} to start (an activation from {src}, or this rank's deposit {k})"
 
-    def _await(self, ready, describe):
-        """Wait for ``ready()`` (truthy) while serving activations; None once closed."""
-        deadline = time.monotonic() + self.timeout
+    def _await(self, ready, describe, deadline: float | None, what: str):
+        """Wait for ``ready()`` (truthy) while serving activations. None: step back (closed,
+        or the progress thread yielding to a user thread that waits and will drive)."""
         while True:
             with self._cv:
                 while not self._inbox_ready:
-                    if self._closed:
+                    if self._closed or (deadline is None and self._waiting):
                         return None
                     value = ready()
                     if value:
                         return value
+                    if deadline is None:
+                        self._cv.wait()
+                        continue
                     left = deadline - time.monotonic()
                     if left <= 0:
-                        raise CommTimeoutError(
-                            f"PartialAllReduce rank {self.rank}: waited {self.timeout} s for "
-                            f"{describe()}", op="partial_all_reduce", seq=self._ledger.k, rank=self.rank)
+                        raise self._timeout_error(f"{what}: still waiting for {describe()}")
                     self._cv.wait(left)
                 self._inbox_ready = False
             self._take_activation()  # outside the lock: it posts a receive

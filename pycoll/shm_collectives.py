@@ -124,19 +124,20 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
     L, me, dt = arena.size, arena.me, t.dtype
     barrier = _Barriers(arena, words, deadline, what)
     n = t.numel()
-    if n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):
+    if red.ufunc is not None and n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):
+        # numpy: a small message's cost is call overhead, and numpy's is a third of torch's.
+        # (Exactly one parity step per round: skipping one would let a rank overwrite a
+        # slot half that a slower peer is still reading.)
         p = arena.next_parity()
-        if red.ufunc is not None:
-            # numpy: a small message's cost is call overhead, and numpy's is a third of torch's.
-            tn = t.numpy()
-            slots = [arena.numpy_slot(q, p, tn.dtype)[:n] for q in range(L)]
-            np.copyto(slots[me], tn)
-            barrier()
-            if L > 1:
-                red.ufunc(slots[0], slots[1], out=tn)
-                for q in range(2, L):
-                    red.ufunc(tn, slots[q], out=tn)
-            return
+        tn = t.numpy()
+        slots = [arena.numpy_slot(q, p, tn.dtype)[:n] for q in range(L)]
+        np.copyto(slots[me], tn)
+        barrier()
+        if L > 1:
+            red.ufunc(slots[0], slots[1], out=tn)
+            for q in range(2, L):
+                red.ufunc(tn, slots[q], out=tn)
+        return
     if L <= 2 or n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):
         # One-shot rounds: every rank reduces the whole round, in rank order, straight into
         # its output. With two ranks this moves no more bytes than reduce-scatter +

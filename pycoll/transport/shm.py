@@ -90,6 +90,7 @@ class ShmArena:
         self.pids: list[int] | None = None
         self._typed: dict = {}
         self.rounds = 0
+        self._unsynced_round = False
         self.ops = 0
         self.sync(time.monotonic() + timeout, "shm init")  # everyone's pid is visible after this
         self.pids = [int(self._ctrl[r * LINE // 4 + 2]) for r in range(size)]
@@ -107,6 +108,10 @@ class ShmArena:
 
     def next_parity(self) -> int:
         """Rounds alternate between the two slot halves (see shm_collectives for why)."""
+        # Two parity steps without a barrier between them would let this rank overwrite a
+        # slot half that a slower peer may still be reading: a bug, never a choice.
+        assert not self._unsynced_round, "shm round started without a barrier after the previous one"
+        self._unsynced_round = True
         self.rounds += 1
         return self.rounds & 1
 
@@ -158,6 +163,7 @@ class ShmArena:
     def sync(self, deadline: float, what: str) -> None:
         """Barrier of all local ranks (every rank calls sync the same number of times)."""
         self.epoch += 1
+        self._unsynced_round = False
         target = self.epoch
         me_word = self.me * LINE // 4
         if self._ctrl[me_word + 1]:

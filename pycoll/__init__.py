@@ -9,10 +9,12 @@
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from .errors import (AuthenticationError, CommError, CommTimeoutError, MismatchError,
                      PeerClosedError, ProtocolError, PycollError)
+from .cuda.paths import backend_devices
 from .stragglers import stats
 from .torch_backend import ProcessGroupPycoll, create
 from .partial import PartialAllReduce  # eager-SGD partial all-reduce; also pycoll.partial.*
@@ -23,7 +25,10 @@ BACKEND_NAME = "pycoll"
 
 def _register() -> None:
     if BACKEND_NAME.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(BACKEND_NAME, create, devices=["cpu"])
+        # "cuda" only on a CUDA build of torch, decided without touching the driver (a CUDA
+        # context made at import would break ranks forked from this process).
+        devices = backend_devices(torch.version.cuda is not None)
+        dist.Backend.register_backend(BACKEND_NAME, create, devices=devices)
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):

@@ -175,10 +175,15 @@ def gather() -> list[dict]:
     add("cuda", OK if cuda else NO,
         f"{n} device(s): {torch.cuda.get_device_name(0)}" if cuda else "torch.cuda unavailable",
         available=cuda, devices=n)
-    cupy = next((v for d in ("cupy-cuda12x", "cupy-cuda11x", "cupy") if (v := _version(d))),
+    cupy = next((v for d in ("cupy-cuda13x", "cupy-cuda12x", "cupy-cuda11x", "cupy") if (v := _version(d))),
                 None) or ("?" if importlib.util.find_spec("cupy") else None)
-    add("cupy", OK if cupy else NO, f"cupy {cupy}" if cupy else
-        "not installed (pip install 'pycoll[cuda]')", version=cupy or None)
+    nccl = False
+    if cupy:
+        from .cuda.checks import nccl_importable
+        nccl = nccl_importable()
+    add("cupy", OK if cupy else NO, (f"cupy {cupy}; cupy.cuda.nccl {'importable' if nccl else 'NOT importable'}"
+                                     if cupy else "not installed (pip install 'pycoll[cuda]')"),
+        version=cupy or None, nccl=nccl)
     for name, fn in (("ip netns", check_netns), ("mpi", check_mpi)):
         status, detail, facts = fn()
         add(name, status, detail, **facts)
@@ -200,15 +205,27 @@ def _paths(rows: list[dict], env: dict) -> str:
                 else "TCP (no usable /dev/shm)")
     if mode == "tcp":
         one_host = "TCP (PYCOLL_TRANSPORT=tcp)"
-    have = [m for m in ("nccl", "cuda_ipc") if importlib.util.find_spec(f"pycoll.transport.{m}")]
-    if not have:
-        gpu = "rejected with a clear error (this pycoll has no CUDA transport yet)"
-    elif st["cuda"] != OK:
-        gpu = "none (no CUDA here)"
-    else:
-        gpu = "NCCL via cupy" if st["cupy"] == OK and "nccl" in have else "host staging"
+    cuda = next(r for r in rows if r["check"] == "cuda")
+    nccl = next(r for r in rows if r["check"] == "cupy").get("nccl", False)
+    gpu = ("none (no CUDA here)" if st["cuda"] != OK else
+           _cuda_paths(cuda["devices"], nccl, env.get("PYCOLL_CUDA_PATH", "auto")))
     return (f"transport {mode}: ranks on one host -> {one_host}; several hosts -> "
             f"hierarchical/TCP; CUDA tensors -> {gpu}")
+
+
+def _cuda_paths(n_gpus: int, nccl: bool, requested: str) -> str:
+    """The CUDA path (pycoll/cuda/paths.py) for one rank per GPU and for two ranks on GPU 0."""
+    from .cuda.paths import CudaPathError, RankFacts, choose_path
+
+    gpus = tuple(f"gpu{i}" for i in range(max(n_gpus, 1)))
+
+    def pick(assignment) -> str:
+        try:
+            return choose_path([RankFacts("here", gpus[g], gpus, nccl, nccl, requested) for g in assignment])
+        except (CudaPathError, ValueError) as e:
+            return f"error: {e}"
+    return (f"PYCOLL_CUDA_PATH={requested}: one rank per GPU ({len(gpus)}) -> {pick(range(len(gpus)))}; "
+            f"2 ranks sharing GPU 0 -> {pick([0, 0])}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from .p2p import ANY
 from .reduce_ops import make_reduction
 from .validation import check_root, check_tensor, check_tensors, flat, flat_out, same_dtype
 from .work import Work, completed
+from .cuda.dispatch import install as _install_cuda_dispatch
 
 MONITORED_BARRIER_TAG = -(1 << 40)
 
@@ -32,6 +33,7 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._timeout = timeout
+        self._store = store  # CUDA calls exchange their set-up through it (pycoll/cuda)
         self._comm = Communicator(store, rank, size, timeout.total_seconds())
         self._mb_count = 0
 
@@ -403,3 +405,6 @@ def create(store, rank: int, size: int, timeout: timedelta) -> ProcessGroupPycol
     """The creator function torch.distributed calls for backend="pycoll"."""
     return ProcessGroupPycoll(store, rank, size, timeout)
 
+
+# Calls with CUDA tensors go to pycoll/cuda (nccl, ipc or host staging) before the CPU path.
+_install_cuda_dispatch(ProcessGroupPycoll)

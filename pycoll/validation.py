@@ -17,13 +17,26 @@ CUDA_HINT = ("CUDA tensors need pycoll's CUDA support: install the extra with "
              "`pip install pycoll[cuda]` (CuPy)")
 
 
+def cuda_tensor_message(what: str) -> str:
+    """Why a CPU-path check met a CUDA tensor: CUDA calls go through pycoll.cuda (docs/cuda.md).
+
+    ProcessGroupPycoll routes calls with CUDA tensors to pycoll.cuda before this check runs, so
+    this is reached only by a direct call of a CPU method; it names the paths and the extra.
+    """
+    from .cuda.paths import ENV, EXTRA
+
+    return (f"{what}: CUDA tensor given to pycoll's CPU path. Through the process group, CUDA "
+            f"tensors take {ENV}=auto|nccl|ipc|staging (docs/cuda.md); the nccl path needs "
+            f"CuPy: install the extra with `{EXTRA}`")
+
+
 def check_tensor(t, what: str) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise ValueError(f"{what}: {t.layout} tensors are not supported (only dense, strided tensors)")
     if t.device.type == "cuda":
-        raise RuntimeError(f"{what}: {CUDA_HINT}")
+        raise RuntimeError(cuda_tensor_message(what))
     if t.device.type != "cpu":
         raise ValueError(f"{what}: tensors on device {t.device} are not supported (cpu only)")
     if t.dtype not in SUPPORTED_DTYPES:

@@ -570,3 +570,20 @@ def test_forced_algorithms_vs_gloo(world, i):
     if i % 2:
         env["PYCOLL_SEGMENT_BYTES"] = "4096"
     _assert_clean(run_ranks(_algo_run, world, algo, backend="pycoll", timeout=110, env=env))
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world,hosts", [(3, "h0,h0,h1"), (4, "h0,h0,h1,h1")])
+def test_hierarchical_vs_gloo(world, hosts):
+    """Two emulated hosts (PYCOLL_HOST_ID): shared memory within each, TCP between leaders."""
+    env = {"PYCOLL_TRANSPORT": "hierarchical", "PYCOLL_HOST_ID": hosts}
+    _assert_clean(run_ranks(_hier_run, world, backend="pycoll", timeout=140, env=env))
+
+
+def _hier_run(rank: int, world: int) -> dict:
+    comm = dist.distributed_c10d._get_default_group()._comm
+    fails = [] if comm.mode == "hierarchical" and len(comm.leaders) == 2 else [
+        f"rank {rank}: mode {comm.mode}, leaders {comm.leaders}"]
+    r1 = _area(rank, world, "reductions", False)
+    r2 = _area(rank, world, "movement", False)
+    return {"fails": fails + r1["fails"] + r2["fails"], "checks": r1["checks"] + r2["checks"]}

@@ -10,25 +10,22 @@ frame headers and is checked by the transport.
 from __future__ import annotations
 
 import functools
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import collectives as C
-from .executor import byte_view
 from .group import Communicator
-from .p2p import ANY
 from .reduce_ops import make_reduction
+from .torch_p2p import PointToPoint
 from .validation import check_root, check_tensor, check_tensors, flat, flat_out, same_dtype
 from .work import Work, completed
 from .cuda.dispatch import install as _install_cuda_dispatch
 
-MONITORED_BARRIER_TAG = -(1 << 40)
 
-
-class ProcessGroupPycoll(dist.ProcessGroup):
+# send, recv, recv_anysource and monitored_barrier come from PointToPoint (pycoll/torch_p2p.py).
+class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
     def __init__(self, store, rank: int, size: int, timeout: timedelta) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
@@ -295,55 +292,6 @@ class ProcessGroupPycoll(dist.ProcessGroup):
     def barrier(self, opts=None):
         return self._submit("barrier", [], functools.partial(C.barrier, self._comm), opts)
 
-    # -- point to point ------------------------------------------------------------------
-    def send(self, tensors, dst_rank: int, tag: int = 0):
-        (t,) = check_tensors(tensors, "send", exactly=1)
-        peer = self._check_peer(dst_rank, "send")
-        f, _ = flat(t)
-        return self._p2p("send", peer, tag, t, f, None)
-
-    def recv(self, tensors, src_rank: int, tag: int = 0):
-        (t,) = check_tensors(tensors, "recv", exactly=1)
-        peer = self._check_peer(src_rank, "recv")
-        f, back = flat_out(t)
-        return self._p2p("recv", peer, tag, t, f, back)
-
-    def recv_anysource(self, tensors, tag: int = 0):
-        (t,) = check_tensors(tensors, "recv", exactly=1)
-        f, back = flat_out(t)
-        return self._p2p("recv", ANY, tag, t, f, back)
-
-    def _p2p(self, op, peer, tag, t, f, back) -> Work:
-        work = Work(op, tag, [t])
-        eng, deadline = self._comm.p2p, self._deadline()
-        mv = byte_view(f)
-        name = C.dtype_name(f.dtype)
-        req = (eng.isend if op == "send" else eng.irecv)(peer, tag, mv, name, f.numel(), deadline)
-
-        def done(r):
-            if r.error is None and back is not None:
-                with torch.no_grad():
-                    back()
-            work._source = r.source
-            work.complete(r.error)
-        req.callbacks.append(done)
-        if req.done.is_set():
-            done(req)
-        return work
-
-    def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):
-        """Gloo's monitored barrier: rank 0 names every rank that did not arrive in time.
-
-        It runs on the point-to-point channel, so a failed monitored barrier does not
-        break the group. torch's ``dist.monitored_barrier`` only accepts gloo; call this
-        as ``pycoll.monitored_barrier(group, timeout, wait_all_ranks)``.
-        """
-        from .monitored import monitored_barrier
-
-        self._mb_count += 1
-        tag = MONITORED_BARRIER_TAG - self._mb_count
-        return monitored_barrier(self, tag, timeout or self._timeout, wait_all_ranks)
-
     # -- lifecycle -----------------------------------------------------------------------
     def shutdown(self) -> None:
         self._comm.shutdown()
@@ -352,16 +300,6 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         self._comm.shutdown(abort=True)
 
     # -- helpers -------------------------------------------------------------------------
-    def _deadline(self) -> float:
-        return time.monotonic() + self._timeout.total_seconds()
-
-    def _check_peer(self, peer: int, op: str) -> int:
-        if not isinstance(peer, int) or not 0 <= peer < self._size:
-            raise ValueError(f"{op}: peer rank {peer} is out of range for a group of size {self._size}")
-        if peer == self._rank:
-            raise ValueError(f"{op}: rank {peer} cannot {op} to itself")
-        return peer
-
     def _check_parts(self, parts, ref, op: str) -> None:
         for p in parts:
             if p.dtype != ref.dtype:
@@ -378,12 +316,13 @@ class ProcessGroupPycoll(dist.ProcessGroup):
         return works[-1]  # ops complete in issue order, so the last one finishing covers all
 
 
-
 def _op_timeout(opts) -> float | None:
     """Seconds of ``opts.timeout`` when the caller set one; None for c10d's unset (-1 ms) or 0."""
     t = getattr(opts, "timeout", None)
     secs = t.total_seconds() if t is not None else 0.0
     return secs if secs > 0 else None
+
+
 def _split_counts(t: torch.Tensor, splits, world: int, what: str) -> tuple[int, ...]:
     if t.dim() == 0:
         raise ValueError(f"all_to_all_single: {what} must have at least one dimension")

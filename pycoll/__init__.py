@@ -37,7 +37,19 @@ def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):
     return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
 
+def set_algorithm(collective: str, name: str, group=None) -> None:
+    """Force ``collective``'s TCP algorithm in one group (as PYCOLL_ALGO does for all groups).
+
+    Call it on every rank of the group with the same arguments, between collectives.
+    """
+    from . import algorithms
+
+    algorithms.get(collective, name)  # ValueError listing the valid names
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg._comm.tuner.overrides[collective] = name
+
+
 _register()
 
 __all__ = ["ProcessGroupPycoll", "PycollError", "CommError", "CommTimeoutError", "PeerClosedError",
-           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "stats", "BACKEND_NAME"]
+           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "set_algorithm", "stats", "BACKEND_NAME"]

@@ -171,21 +171,27 @@ class PartialAllReduce:
             return [self._results.pop(k) for k in range(start, self._flush_round + 1)]
 
     def close(self, flush: bool = True) -> None:
-        """Collective: flush (unless ``flush=False``), stop the progress thread, release the group."""
+        """Collective: flush (unless ``flush=False``), stop the progress thread, release the
+        group. Raises the progress thread's error, if it had one, after releasing."""
         if self._closed:
             return
-        if flush and self._error is None:
-            self.flush()
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-        self._thread.join(5)
-        if self._error is None and flush:
-            dist.barrier(group=self._pg)   # nobody may still be reading the last round
         try:
-            dist.destroy_process_group(self._pg)
-        except (RuntimeError, ValueError):
-            self._pg.shutdown()  # pycoll subgroups lack a c10d group name (see docs/partial.md)
+            if flush and self._error is None:
+                self.flush()
+        finally:
+            with self._cv:
+                self._closed = True
+                self._cv.notify_all()
+            self._thread.join(5)
+            if self._error is None and flush:
+                dist.barrier(group=self._pg)   # nobody may still be reading the last round
+            try:
+                dist.destroy_process_group(self._pg)
+            except (RuntimeError, ValueError):
+                self._pg.shutdown()  # pycoll subgroups lack a c10d group name (docs/partial.md)
+        if self._error is not None:
+            raise PycollError(f"PartialAllReduce rank {self.rank}: closed after the progress "
+                              f"thread failed: {self._error}") from self._error
 
     def __enter__(self) -> "PartialAllReduce":
         return self
@@ -320,8 +326,14 @@ class PartialAllReduce:
     def _trigger(self, k: int) -> str | None:
         if k in self._activated:
             return "activated"
-        if self._ledger.may_initiate(self.rank) and (self._next > k or self._flushing):
+        has = self._next > k or self._flushing
+        if has and self._ledger.may_initiate(self.rank):
             return "initiate"
+        if has and self._driver == "user":
+            # The user's thread is blocked until a round at or after k completes, so this
+            # rank's contribution to round k cannot grow: enter now, without waiting for the
+            # initiator's activation (the all-reduce still completes only once it arrives).
+            return "ready"
         return None
 
     def _waiting_for_trigger(self, k: int) -> str:
@@ -357,10 +369,15 @@ class PartialAllReduce:
             while self._deposits and self._deposits[0][0] <= k:
                 taken.append(self._deposits.popleft())
             left, flushing = len(self._deposits), self._flushing
-        buf = torch.zeros(self._n + self.world * NF, dtype=self.dtype)
+        buf = torch.empty(self._n + self.world * NF, dtype=self.dtype)
         data = buf[:self._n]
-        for _, t in taken:
-            data.add_(t)
+        if taken:
+            data.copy_(taken[0][1])
+            for _, t in taken[1:]:
+                data.add_(t)
+        else:
+            data.zero_()
+        buf[self._n:].zero_()
         mine = Contribution(len(taken), taken[0][0] if taken else 0, taken[-1][0] if taken else 0,
                             initiated, flushing, left)
         buf[self._n + self.rank * NF:self._n + (self.rank + 1) * NF] = torch.tensor(mine.row(k), dtype=self.dtype)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from .algorithms.schedule import Copy, Recv, RecvReduce, Reduce, Schedule, Send
+from .algorithms.schedule import Copy, Recv, Reduce, Schedule, Send
 from .reduce_ops import Reduction
 from .transport.base import InFrame, OutFrame, Transport
 from .wire import DATA, Header, Signature

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from .transport.base import InFrame, OutFrame, Transport
-from .wire import Header, decode_header, header_length
+from .wire import decode_header, header_length
 
 ENV = "PYCOLL_FAULT"
 CORRUPT_KINDS = ("garbage", "huge", "truncate")

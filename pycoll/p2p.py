@@ -170,7 +170,7 @@ class P2PEngine:
                     if p not in self._dead:
                         poller.register(c.fd, select.POLLIN | (select.POLLOUT if self._sends[p] else 0))
                 timeout = self._next_deadline()
-            events = poller.poll(None if timeout is None else max(0, timeout) * 1000)
+            poller.poll(None if timeout is None else max(0, timeout) * 1000)
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
@@ -185,7 +185,6 @@ class P2PEngine:
                     except (OSError, EOFError, ProtocolError) as exc:
                         self._peer_failed(p, exc)
                 self._expire()
-            del events
 
     def _next_deadline(self):
         pending = [r.deadline for r in self._posted] + [q[0].deadline for q in self._sends.values() if q]

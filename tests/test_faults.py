@@ -122,7 +122,10 @@ def test_drop_connections_is_seen_as_a_dead_peer():
     for r, o in enumerate(out):
         assert o["status"] == "ok", explain(out)
         info = o["value"]
-        assert info["err"] == "PeerClosedError" and info["n"] == 3, info
+        # rank 1 drops its sockets right after its seq 2; a peer still reading seq 2 may lose
+        # rank 1's last frame (a close with unread data resets the connection), so the
+        # error comes at seq 2 or 3, always naming rank 1
+        assert info["err"] == "PeerClosedError" and info["n"] in (2, 3), info
         assert "rank 1" in info["msg"], info
         assert info["fds_left"] <= 0 and info["threads"] == [], info
 

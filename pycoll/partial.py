@@ -10,24 +10,15 @@
     leftover = par.flush()               # collective: the rounds no submit was paired with
     par.close()
 
-A *round* is one all-reduce over a private process group (``dist.new_group``: its
-collectives never interleave with the user's). A background progress thread per rank
-takes part in every round on the rank's behalf, so a slow rank's training thread need not
-be there. Round k starts when its *initiator* arrives — solo: the first rank to deposit
-its k-th tensor; majority: ``majority_initiator(seed, k)``, the same pseudo-random rank on
-every rank — which sends an activation message (p2p, any-source receive) to every peer.
-Each progress thread then contributes every pending deposit of index <= k and joins the
-all-reduce of one buffer ``[data..., metadata per rank]``. A deposit made too late for a
-round goes to a later one: never lost, never counted twice. Bounded staleness, counters and
-pairing of deposits with rounds are in ``partial_rounds.py``; docs/partial.md has the rest.
-
-Activations carry their round number in the payload, on one fixed tag, and each rank keeps
-exactly one any-source receive posted: torch.distributed cannot cancel a posted receive,
-so a per-round tag would leave one dangling receive behind every round a rank started
-alone. Duplicates (several solo initiators) and stale activations are recognised by their
-round number and dropped. Everything above uses the public torch.distributed API of the
-group only, so it runs over any pycoll transport (TCP, shared memory) and any backend
-with any-source receives.
+A *round* is one all-reduce, over a private group, of ``[data..., metadata per rank]``.
+Round k starts when its *initiator* arrives (solo: the first rank to deposit its k-th
+tensor; majority: ``majority_initiator(seed, k)``), which sends an activation (p2p, round
+number in the payload, one fixed tag: a posted receive cannot be cancelled, so each rank
+keeps exactly one any-source receive posted). Every rank then contributes its pending
+deposits of index <= k; later ones go to a later round: never lost, never counted twice.
+A background thread serves rounds while the user's thread computes; a user thread that
+waits runs them itself. Bookkeeping and the staleness bound: ``partial_rounds.py``;
+semantics in full: docs/partial.md. Public torch.distributed API only: any transport.
 """
 
 from __future__ import annotations
@@ -42,11 +33,11 @@ import torch
 import torch.distributed as dist
 
 from .errors import CommTimeoutError, PycollError
-from .partial_rounds import FIELDS, MODES, NF, Contribution, Ledger, RoundInfo, majority_initiator
+from .partial_activation import Activations
+from .partial_rounds import MODES, NF, Contribution, Ledger, RoundInfo, majority_initiator
 
 __all__ = ["PartialAllReduce", "PartialWork", "RoundResult", "RoundInfo", "majority_initiator", "MODES"]
 
-ACTIVATION_TAG = 0x5041  # "PA"; the group is private, so it cannot collide with user tags
 # Metadata shares the data's buffer: dtypes that hold small integers exactly (< 2**24).
 DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 DEFAULT_TIMEOUT = 1800.0
@@ -70,7 +61,7 @@ class PartialWork:
         self._result: RoundResult | None = None
 
     def is_completed(self) -> bool:
-        return self._result is not None or self._owner._completed(self.round)
+        return self._result is not None or self._owner._done > self.round
 
     def result(self, timeout: float | None = None) -> RoundResult:
         if self._result is None:
@@ -122,17 +113,13 @@ class PartialAllReduce:
         self._next = 0                     # index of this rank's next deposit
         self._results: dict[int, RoundResult] = {}
         self._done = 0                     # rounds completed
-        self._flushing = False
-        self._flushes = 0
-        self._flush_round = -1
+        self._flushing, self._flushes, self._flush_round = False, 0, -1
         self._error: BaseException | None = None
         self._closed = False
         self._driver: str | None = None    # who runs rounds now: "thread", "user" or nobody
         self._waiting = 0                  # user threads blocked in wait/flush (they drive)
-        self._activated: set[int] = set()
-        self._inbox_ready = False
-        self._inbox: tuple | None = None
-        self._sends: list[tuple] = []
+        self._activated: set[int] = set()          # rounds an activation arrived for
+        self._act = Activations(self._pg, self.rank, self._peers, self._cv)
         self.history: deque[RoundInfo] = deque(maxlen=history)
         self._thread = threading.Thread(target=self._progress, name=f"pycoll-partial-{self.rank}",
                                         daemon=True)
@@ -175,15 +162,17 @@ class PartialAllReduce:
         group. Raises the progress thread's error, if it had one, after releasing."""
         if self._closed:
             return
+        flushed = False
         try:
             if flush and self._error is None:
                 self.flush()
+                flushed = True
         finally:
             with self._cv:
                 self._closed = True
                 self._cv.notify_all()
             self._thread.join(5)
-            if self._error is None and flush:
+            if flushed:
                 dist.barrier(group=self._pg)   # nobody may still be reading the last round
             try:
                 dist.destroy_process_group(self._pg)
@@ -202,9 +191,6 @@ class PartialAllReduce:
     @property
     def last_round(self) -> RoundInfo | None:
         return self.history[-1] if self.history else None
-
-    def _completed(self, k: int) -> bool:
-        return self._done > k
 
     def _claim(self, k: int, timeout: float | None) -> RoundResult:
         self._drive_until(lambda: self._done > k, timeout, f"round {k}")
@@ -272,7 +258,7 @@ class PartialAllReduce:
     def _progress(self) -> None:
         try:
             if self.world > 1:
-                self._post_inbox()
+                self._act.post()
             while True:
                 with self._cv:
                     while (self._driver is not None or self._waiting) and not self._closed:
@@ -297,7 +283,7 @@ class PartialAllReduce:
         if how is None:
             return
         if how == "initiate":
-            self._activate(k)
+            self._act.send(k)
         need = led.must_include(self.rank)
         if need is not None and self._await(lambda: self._next > need or self._flushing,
                                             lambda: f"its own deposit {need} (staleness bound)",
@@ -346,7 +332,7 @@ class PartialAllReduce:
         or the progress thread yielding to a user thread that waits and will drive)."""
         while True:
             with self._cv:
-                while not self._inbox_ready:
+                while not self._act.ready:
                     if self._closed or (deadline is None and self._waiting):
                         return None
                     value = ready()
@@ -359,8 +345,12 @@ class PartialAllReduce:
                     if left <= 0:
                         raise self._timeout_error(f"{what}: still waiting for {describe()}")
                     self._cv.wait(left)
-                self._inbox_ready = False
-            self._take_activation()  # outside the lock: it posts a receive
+                self._act.ready = False
+            if self._closed:
+                return None
+            k = self._act.take()  # outside the lock: it posts a receive
+            if k >= self._ledger.k:
+                self._activated.add(k)
 
     def _snapshot(self, k: int, initiated: bool) -> tuple[torch.Tensor, Contribution]:
         """This rank's slot for round k: every pending deposit of index <= k, plus metadata."""
@@ -387,39 +377,3 @@ class PartialAllReduce:
         return buf, mine
 
     # ---- activation messages -----------------------------------------------------------
-    def _post_inbox(self) -> None:
-        buf = torch.empty(2, dtype=torch.int64)
-        work = dist.irecv(buf, src=None, group=self._pg, tag=ACTIVATION_TAG)
-        self._inbox = (work, buf)
-        work.get_future().add_done_callback(self._on_inbox)
-
-    def _on_inbox(self, _fut) -> None:
-        # Runs on the backend's thread: only flag and notify, never call into the backend.
-        with self._cv:
-            self._inbox_ready = True
-            self._cv.notify_all()
-
-    def _take_activation(self) -> None:
-        work, buf = self._inbox
-        if self._closed:
-            return
-        work.wait()  # already complete: re-raises a failed receive
-        k, _src = buf.tolist()
-        if k >= self._ledger.k:
-            self._activated.add(k)
-        self._post_inbox()
-
-    def _activate(self, k: int) -> None:
-        still = []
-        for work, payload in self._sends:
-            if work.is_completed():
-                work.wait()  # re-raises a failed send
-            else:
-                still.append((work, payload))
-        payload = torch.tensor([k, self.rank], dtype=torch.int64)
-        for peer in self._peers:
-            still.append((dist.isend(payload, dst=peer, group=self._pg, tag=ACTIVATION_TAG), payload))
-        self._sends = still
-
-
-assert FIELDS[0] == "count"  # Contribution.row and close_round agree on the field order

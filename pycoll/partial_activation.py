@@ -1,0 +1,59 @@
+"""Activation messages of the partial all-reduce: p2p over the private group, any source.
+
+An activation is ``int64[2] = [round, sender]`` on one fixed tag. Each rank keeps exactly
+one any-source receive posted and re-posts it after each message: torch.distributed cannot
+cancel a posted receive, so a per-round tag would leave a dangling receive behind every
+round a rank started alone. The round number in the payload identifies duplicates (several
+solo initiators) and stale activations, which the caller drops.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+TAG = 0x5041  # "PA"; the group is private, so it cannot collide with user tags
+
+
+class Activations:
+    def __init__(self, group, rank: int, peers: list[int], cv: threading.Condition) -> None:
+        self.group, self.rank, self.peers, self.cv = group, rank, peers, cv
+        self.ready = False        # a message is waiting (read and written under ``cv``)
+        self._inbox: tuple | None = None
+        self._sends: list[tuple] = []
+
+    def post(self) -> None:
+        buf = torch.empty(2, dtype=torch.int64)
+        work = dist.irecv(buf, src=None, group=self.group, tag=TAG)
+        self._inbox = (work, buf)
+        work.get_future().add_done_callback(self._arrived)
+
+    def _arrived(self, _fut) -> None:
+        # Runs on the backend's thread: only flag and notify, never call into the backend.
+        with self.cv:
+            self.ready = True
+            self.cv.notify_all()
+
+    def take(self) -> int:
+        """The round of the message that arrived (call with ``ready`` seen and cleared,
+        outside ``cv``: it posts the next receive)."""
+        work, buf = self._inbox
+        work.wait()  # already complete: re-raises a failed receive
+        k, _sender = buf.tolist()
+        self.post()
+        return k
+
+    def send(self, k: int) -> None:
+        """Activate round k on every peer (fire and forget; a failed send raises later)."""
+        still = []
+        for work, payload in self._sends:
+            if work.is_completed():
+                work.wait()  # re-raises a failed send
+            else:
+                still.append((work, payload))  # keep the payload alive until it is sent
+        payload = torch.tensor([k, self.rank], dtype=torch.int64)
+        for peer in self.peers:
+            still.append((dist.isend(payload, dst=peer, group=self.group, tag=TAG), payload))
+        self._sends = still

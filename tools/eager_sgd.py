@@ -1,0 +1,318 @@
+"""eager-SGD at small scale: full sync vs solo vs majority partial all-reduce under load imbalance.
+
+    python tools/eager_sgd.py                 # the full run (world 2 and 4, 3 seeds, < 5 min)
+    python tools/eager_sgd.py --quick         # a short run while developing
+
+Data: scikit-learn's bundled digits (8x8 images, 10 classes; ``pip install .[experiments]``),
+standardised, a fixed 70/30 split. Model: an MLP 64-256-256-10, SGD. Each rank draws its
+own batches; every mode runs the same number of steps per rank (so sees the same samples).
+
+Imbalance: each step one rank, drawn from a seeded RNG that every rank replays alike, sleeps
+``U(delay_lo, delay_hi)`` ms before its forward pass (tens of ms against ~2 ms of compute, so
+the injected imbalance dominates the noise of a shared 2-core machine). Full sync pays the
+straggler's delay every step; partial modes let the others go on, up to ``max_staleness``
+rounds ahead.
+
+Every rank of every mode runs with ``sys.setswitchinterval(0.001)`` (``--switch-interval``):
+with Python's default 5 ms, a background thread that needs the GIL while the training
+thread computes waits up to 5 ms per acquisition, which slows pycoll's own threads in
+every mode, and the partial modes' progress thread most.
+
+Measured per run: each rank's time at the end of each step; the time of step i is the
+*latest* rank's (a model state counts as reached when every replica has reached it). Rank 0
+keeps a parameter snapshot every ``eval_every`` steps, evaluated on the test set after the
+run. Reported per mode: wall time to the target test accuracy and final accuracy (medians
+over seeds), speed-up over full sync. ``--json`` keeps everything; ``--plot`` draws
+docs/eager_sgd.png (matplotlib, optional).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import random
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: make `ddp` and `pycoll` importable
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+MODES = ("full", "solo", "majority")
+
+
+def load_digits(split_seed: int = 0):
+    try:
+        from sklearn.datasets import load_digits as sk_digits
+    except ImportError as e:  # pragma: no cover - the message names the extra
+        raise SystemExit("tools/eager_sgd.py needs scikit-learn: pip install .[experiments]") from e
+    d = sk_digits()
+    x = torch.tensor(d.data, dtype=torch.float32)
+    y = torch.tensor(d.target, dtype=torch.int64)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(split_seed))
+    x, y = x[perm], y[perm]
+    n_train = int(0.7 * len(x))
+    mean, std = x[:n_train].mean(0), x[:n_train].std(0) + 1e-3
+    x = (x - mean) / std
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:]
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+
+
+def accuracy(model: nn.Module, x, y) -> float:
+    with torch.no_grad():
+        return (model(x).argmax(1) == y).float().mean().item()
+
+
+# ---- rank side ------------------------------------------------------------------------
+def train_once(rank: int, world: int, mode: str, imbalance: bool, seed: int, o: dict, data) -> dict:
+    from ddp import DistributedDataParallel
+
+    xtr, ytr, _, _ = data
+    torch.manual_seed(seed)
+    model = DistributedDataParallel(mlp(), sync=mode, max_staleness=o["max_staleness"])
+    opt = torch.optim.SGD(model.parameters(), lr=o["lr"])
+    loss_fn = nn.CrossEntropyLoss()
+    gen = torch.Generator().manual_seed(seed * 1000 + rank)
+    straggler = random.Random(seed * 7919 + world)   # the same sequence on every rank
+    batch, lo, hi = o["batch"], o["delay_lo"] / 1e3, o["delay_hi"] / 1e3
+    stamps, snaps = [], []
+    dist.barrier()
+    t0 = time.perf_counter()
+    for step in range(o["steps"]):
+        who, delay = straggler.randrange(world), straggler.uniform(lo, hi)
+        if imbalance and who == rank:
+            time.sleep(delay)
+        idx = torch.randint(0, len(xtr), (batch,), generator=gen)
+        loss = loss_fn(model(xtr[idx]), ytr[idx])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        stamps.append(time.perf_counter() - t0)
+        if rank == 0 and (step + 1) % o["eval_every"] == 0:
+            snaps.append([p.detach().numpy().copy() for p in model.module.parameters()])  # numpy: plain pickles
+    rounds = None
+    if model.partial is not None:
+        p = model.partial
+        infos = list(p.allreduce.history)[:o["steps"]]
+        rounds = {"mean_count": statistics.fmean(i.count for i in infos),
+                  "max_age": max(i.max_age for i in infos),
+                  "waited": sum(1 for i in infos if i.required)}
+        p.close()
+    every: list = [None] * world
+    dist.all_gather_object(every, stamps)
+    if rank != 0:
+        return {}
+    return {"mode": mode, "imbalance": imbalance, "seed": seed, "world": world,
+            "step_time": [max(s[i] for s in every) for i in range(o["steps"])],
+            "snaps": snaps, "rounds": rounds}
+
+
+def rank_main(rank: int, world: int, port: int, o: dict, queue) -> None:
+    try:
+        import pycoll  # noqa: F401  registers the backend
+        torch.set_num_threads(1)
+        if o.get("switch_interval"):
+            sys.setswitchinterval(o["switch_interval"])
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+        dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
+                                timeout=timedelta(seconds=120))
+        data = load_digits()
+        out = []
+        for imbalance in o["imbalance"]:
+            for seed in range(o["seeds"]):
+                for mode in o["modes"]:   # interleaved: slow phases of the machine hit all modes
+                    out.append(train_once(rank, world, mode, imbalance, seed, o, data))
+        dist.destroy_process_group()
+        queue.put((rank, "ok", out if rank == 0 else None))
+    except BaseException as e:  # noqa: BLE001 - reported by the parent
+        import traceback
+        queue.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+
+
+def run_world(world: int, o: dict, timeout_s: float = 900) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=rank_main, args=(r, world, store.port, o, queue), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    result = None
+    try:
+        for _ in range(world):
+            rank, status, value = queue.get(timeout=timeout_s)
+            if status != "ok":
+                raise RuntimeError(f"world {world} rank {rank} failed: {value}")
+            if rank == 0:
+                result = value
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    return result
+
+
+# ---- report ---------------------------------------------------------------------------
+def evaluate(runs: list[dict], o: dict) -> None:
+    _, _, xte, yte = load_digits()
+    model = mlp()
+    for r in runs:
+        curve = []
+        for j, snap in enumerate(r.pop("snaps")):
+            with torch.no_grad():
+                for p, v in zip(model.parameters(), snap):
+                    p.copy_(torch.from_numpy(v))
+            step = (j + 1) * o["eval_every"]
+            curve.append((step, r["step_time"][step - 1], accuracy(model, xte, yte)))
+        r["curve"] = curve
+        r["final_acc"] = curve[-1][2]
+        hit = next((t for _, t, a in curve if a >= o["target"]), None)
+        r["time_to_target"] = hit
+        r["total_time"] = r["step_time"][-1]
+        gaps = [b - a for a, b in zip([0.0] + r["step_time"][:-1], r["step_time"])]
+        r["median_step_ms"] = 1e3 * statistics.median(gaps)
+        del r["step_time"]
+
+
+def summarise(runs: list[dict]) -> list[dict]:
+    rows = []
+    keys = sorted({(r["world"], r["imbalance"]) for r in runs})
+    for world, imb in keys:
+        base = None
+        for mode in MODES:
+            rs = [r for r in runs if (r["world"], r["imbalance"], r["mode"]) == (world, imb, mode)]
+            if not rs:
+                continue
+            hits = [r["time_to_target"] for r in rs if r["time_to_target"] is not None]
+            row = {"world": world, "imbalance": imb, "mode": mode, "runs": len(rs),
+                   "reached": len(hits),
+                   "time_to_target_s": statistics.median(hits) if len(hits) == len(rs) else None,
+                   "total_time_s": statistics.median(r["total_time"] for r in rs),
+                   "final_acc": statistics.median(r["final_acc"] for r in rs)}
+            if rs[0]["rounds"]:
+                row["mean_count"] = statistics.fmean(r["rounds"]["mean_count"] for r in rs)
+                row["max_age"] = max(r["rounds"]["max_age"] for r in rs)
+            if mode == "full":
+                base = row
+            elif base is not None:
+                if base["time_to_target_s"] and row["time_to_target_s"]:
+                    row["speedup_to_target"] = base["time_to_target_s"] / row["time_to_target_s"]
+                row["time_ratio_total"] = row["total_time_s"] / base["total_time_s"]
+                row["acc_delta_points"] = 100 * (row["final_acc"] - base["final_acc"])
+            rows.append(row)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    out = ["| world | imbalance | mode | time to target (s) | total (s) | final acc | speed-up to target | "
+           "time vs full | acc vs full (pts) | deposits/round | max age |",
+           "|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+    for r in rows:
+        out.append(f"| {r['world']} | {'yes' if r['imbalance'] else 'no'} | {r['mode']} | "
+                   f"{f(r['time_to_target_s'], '.2f')} ({r['reached']}/{r['runs']}) | "
+                   f"{r['total_time_s']:.2f} | {100 * r['final_acc']:.1f}% | "
+                   f"{f(r.get('speedup_to_target'), '.2f')}{'x' if r.get('speedup_to_target') else ''} | "
+                   f"{f(r.get('time_ratio_total'), '.3f')} | {f(r.get('acc_delta_points'), '+.1f')} | "
+                   f"{f(r.get('mean_count'), '.2f')} | {r.get('max_age', 'n/a')} |")
+    return "\n".join(out)
+
+
+def plot(runs: list[dict], rows: list[dict], path: Path, o: dict) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = sorted({r["world"] for r in runs})
+    fig, axes = plt.subplots(1, len(worlds) + 1, figsize=(5 * (len(worlds) + 1), 4))
+    colors = {"full": "tab:gray", "solo": "tab:red", "majority": "tab:blue"}
+    for ax, world in zip(axes, worlds):
+        for r in runs:
+            if r["world"] == world and r["imbalance"]:
+                t = [c[1] for c in r["curve"]]
+                a = [100 * c[2] for c in r["curve"]]
+                ax.plot(t, a, color=colors[r["mode"]], alpha=0.7,
+                        label=r["mode"] if r["seed"] == 0 else None)
+        ax.axhline(100 * o["target"], color="k", lw=0.6, ls="--")
+        ax.set(title=f"world {world}, imbalanced", xlabel="wall time (s)", ylabel="test accuracy (%)",
+               ylim=(70, 100))
+        ax.legend()
+    ax = axes[-1]
+    labels, vals, cols = [], [], []
+    for r in rows:
+        if r["time_to_target_s"] is not None:
+            labels.append(f"w{r['world']} {'imb' if r['imbalance'] else 'bal'}\n{r['mode']}")
+            vals.append(r["time_to_target_s"])
+            cols.append(colors[r["mode"]])
+    ax.barh(range(len(vals)), vals, color=cols)
+    ax.set_yticks(range(len(vals)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set(title=f"time to {100 * o['target']:.0f}% (median of {o['seeds']} seeds)", xlabel="s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=0.2)
+    ap.add_argument("--max-staleness", type=int, default=8)
+    ap.add_argument("--delay-lo", type=float, default=40.0, help="ms")
+    ap.add_argument("--delay-hi", type=float, default=80.0, help="ms")
+    ap.add_argument("--target", type=float, default=0.95)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--imbalance", choices=("both", "yes", "no"), default="both")
+    ap.add_argument("--quick", action="store_true", help="world 2, one seed, 100 steps")
+    ap.add_argument("--switch-interval", type=float, default=0.001,
+                    help="sys.setswitchinterval in every rank, every mode (0: leave Python's 5 ms)")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--plot", type=Path, nargs="?", const=REPO / "docs" / "eager_sgd.png")
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.worlds, a.seeds, a.steps = [2], 1, 100
+    o = {"steps": a.steps, "batch": a.batch, "lr": a.lr, "max_staleness": a.max_staleness,
+         "delay_lo": a.delay_lo, "delay_hi": a.delay_hi, "target": a.target,
+         "eval_every": a.eval_every, "switch_interval": a.switch_interval, "seeds": a.seeds, "modes": a.modes,
+         "imbalance": {"both": [False, True], "yes": [True], "no": [False]}[a.imbalance]}
+    t0 = time.perf_counter()
+    runs = []
+    for world in a.worlds:
+        runs += run_world(world, o)
+        print(f"world {world} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr)
+    evaluate(runs, o)
+    rows = summarise(runs)
+    print(f"target {100 * a.target:.0f}% test accuracy; {a.steps} steps x batch {a.batch} per rank; "
+          f"imbalance: one rank per step sleeps U({a.delay_lo:g}, {a.delay_hi:g}) ms; "
+          f"max_staleness {a.max_staleness}; medians of {a.seeds} seeds; {time.perf_counter() - t0:.0f}s")
+    print(table(rows))
+    if a.json:
+        a.json.write_text(json.dumps({"options": o, "rows": rows, "runs": runs}, indent=1))
+    if a.plot:
+        try:
+            plot(runs, rows, a.plot, o)
+            print(f"plot: {a.plot}")
+        except ImportError:
+            print("matplotlib is not installed: no plot (pip install .[plot])", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -30,18 +30,23 @@ def cuda_tensor_message(what: str) -> str:
             f"CuPy: install the extra with `{EXTRA}`")
 
 
-def check_tensor(t, what: str) -> torch.Tensor:
+def check_dense(t, what: str, device: str) -> torch.Tensor:
+    """A dense tensor of a supported dtype on ``device`` ("cpu" or "cuda"), or a clear error."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
     if t.layout != torch.strided:
         raise ValueError(f"{what}: {t.layout} tensors are not supported (only dense, strided tensors)")
-    if t.device.type == "cuda":
-        raise RuntimeError(cuda_tensor_message(what))
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: tensors on device {t.device} are not supported (cpu only)")
+    if t.device.type != device:
+        if t.device.type == "cuda":
+            raise RuntimeError(cuda_tensor_message(what))
+        raise ValueError(f"{what}: tensors on device {t.device} are not supported here ({device} only)")
     if t.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{what}: dtype {t.dtype} is not supported")
     return t
+
+
+def check_tensor(t, what: str) -> torch.Tensor:
+    return check_dense(t, what, "cpu")
 
 
 def check_tensors(ts, what: str, exactly: int | None = None) -> list[torch.Tensor]:

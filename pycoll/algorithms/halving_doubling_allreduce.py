@@ -22,19 +22,14 @@ medium-to-large messages, where it beats ring on latency (log p rounds instead o
 
 from __future__ import annotations
 
-from .schedule import Recv, RecvReduce, Schedule, Send, chunks, fold_rank, pow2_floor, unfold_rank
+from .schedule import (Recv, RecvReduce, Schedule, Send, chunks, fold_in, fold_out, pow2_floor,
+                       unfold_rank)
 
 
 def schedule(rank: int, world: int, count: int) -> Schedule:
     s = Schedule("halving_doubling_allreduce", rank, world)
     p = pow2_floor(world)
-    rem = world - p
-    new = fold_rank(rank, world)
-    if rank < 2 * rem:  # fold in
-        if new is None:
-            s.add(Send(rank + 1, "out", 0, count))
-        else:
-            s.add(RecvReduce(rank - 1, "out", 0, count))
+    new = fold_in(s, rank, world, count)
     if new is not None and p > 1:
         c = chunks(count, p)
 
@@ -57,9 +52,5 @@ def schedule(rank: int, world: int, count: int) -> Schedule:
             s.add(Send(peer, "out", *span(lo, hi)), Recv(peer, "out", *span(*other)))
             lo, hi = min(lo, other[0]), max(hi, other[1])
             mask <<= 1
-    if rank < 2 * rem:  # fold out
-        if new is None:
-            s.add(Recv(rank + 1, "out", 0, count))
-        else:
-            s.add(Send(rank - 1, "out", 0, count))
+    fold_out(s, rank, world, count, new)
     return s

@@ -24,20 +24,13 @@ Latency-optimal; the tuner picks it for small messages (up to a few KiB).
 
 from __future__ import annotations
 
-from .schedule import (Copy, Recv, RecvReduce, Reduce, Schedule, Send, fold_rank, pow2_floor,
-                       unfold_rank)
+from .schedule import Copy, Recv, Reduce, Schedule, Send, fold_in, fold_out, pow2_floor, unfold_rank
 
 
 def schedule(rank: int, world: int, count: int) -> Schedule:
     s = Schedule("recursive_doubling_allreduce", rank, world)
     p = pow2_floor(world)
-    rem = world - p
-    new = fold_rank(rank, world)
-    if rank < 2 * rem:  # fold in
-        if new is None:
-            s.add(Send(rank + 1, "out", 0, count))
-        else:
-            s.add(RecvReduce(rank - 1, "out", 0, count))
+    new = fold_in(s, rank, world, count)
     if new is not None and p > 1:
         s.temps["tmp"] = count
         mine, other, mask = "out", "tmp", 1
@@ -52,9 +45,5 @@ def schedule(rank: int, world: int, count: int) -> Schedule:
             mask <<= 1
         if mine != "out":
             s.add(Copy(mine, 0, "out", 0, count))
-    if rank < 2 * rem:  # fold out
-        if new is None:
-            s.add(Recv(rank + 1, "out", 0, count))
-        else:
-            s.add(Send(rank - 1, "out", 0, count))
+    fold_out(s, rank, world, count, new)
     return s

@@ -150,6 +150,20 @@ def fold_rank(rank: int, world: int) -> int | None:
     return rank - rem
 
 
+def fold_in(s: "Schedule", rank: int, world: int, count: int) -> int | None:
+    """The fold's first step on buffer "out"; returns this rank's new number (None: sits out)."""
+    new = fold_rank(rank, world)
+    if rank < 2 * (world - pow2_floor(world)):
+        s.add(Send(rank + 1, "out", 0, count) if new is None else RecvReduce(rank - 1, "out", 0, count))
+    return new
+
+
+def fold_out(s: "Schedule", rank: int, world: int, count: int, new: int | None) -> None:
+    """The fold's last step: the ranks that sat out get the result from their partner."""
+    if rank < 2 * (world - pow2_floor(world)):
+        s.add(Recv(rank + 1, "out", 0, count) if new is None else Send(rank - 1, "out", 0, count))
+
+
 def unfold_rank(new: int, world: int) -> int:
     rem = world - pow2_floor(world)
     return 2 * new + 1 if new < rem else new + rem

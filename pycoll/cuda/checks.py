@@ -13,7 +13,7 @@ import os
 import torch
 
 from .. import rendezvous
-from ..reduce_ops import SUPPORTED_DTYPES
+from ..validation import check_dense
 from . import paths
 
 
@@ -35,13 +35,7 @@ def common_device(args, what: str) -> torch.device:
 
 
 def check_cuda(t, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise ValueError(f"{what}: {t.layout} tensors are not supported (only dense, strided tensors)")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{what}: dtype {t.dtype} is not supported")
-    return t
+    return check_dense(t, what, "cuda")
 
 
 def check_all(ts, what: str, exactly: int | None = None) -> list[torch.Tensor]:

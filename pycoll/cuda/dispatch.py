@@ -87,8 +87,8 @@ def _wrap_close(method, abort: bool):
 
 def install(cls) -> None:
     """Wrap ``cls``'s tensor methods (idempotent)."""
-    if getattr(cls, "_pycoll_cuda_installed", False):
-        return
+    if getattr(cls, "_pycoll_cuda_installed", False) or torch.version.cuda is None:
+        return  # a CPU build of torch has no CUDA tensors: no wrapper on the latency path
     for name in METHODS:
         setattr(cls, name, _wrap(name, getattr(cls, name)))
     for alias, target in ALIASES.items():

@@ -51,6 +51,20 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"ProcessGroupPycoll(rank={self._rank}, size={self._size})"
 
+    # c10d keeps a group's name and description on its backends; this class is its own
+    # backend, so it keeps them itself (torch calls these through its C++ trampoline).
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_group_name", "")
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_group_desc", "")
+
     def _submit(self, op: str, outputs: list, task, opts=None) -> Work:
         inline = not getattr(opts, "asyncOp", True)
 

@@ -170,7 +170,7 @@ class Communicator:
             self.error = exc
             self.transport.abort(str(exc))
             if self.arena is not None:
-                self.arena.abort()
+                self.arena.abort(f"{type(exc).__name__}: {exc}")
             log.error("pycoll rank %d: %s", self.rank, exc)
             work.complete(exc)
         else:

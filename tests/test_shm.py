@@ -193,3 +193,22 @@ def test_1gib_all_reduce_memory_is_bounded_by_segments(transport):
     for growth, ok in res:
         assert ok
         assert growth <= 2 * segment, f"peak RSS grew by {growth / 2**20:.1f} MiB (segment 4 MiB)"
+
+
+def _early_destroy(rank, world):
+    dist.barrier()
+    if rank == 1:
+        dist.destroy_process_group()
+        return "left"
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(4))
+    except Exception as exc:  # noqa: BLE001
+        return time.monotonic() - t0, str(exc)
+    return "no error"
+
+
+def test_peer_that_destroys_its_group_is_reported_at_once():
+    res = run_ranks(_early_destroy, 2, backend="pycoll", env={"PYCOLL_TRANSPORT": "shm"})
+    delay, text = res[0]
+    assert delay < 2.0 and "rank 1" in text and "destroyed its process group" in text, res

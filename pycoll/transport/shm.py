@@ -31,6 +31,7 @@ from ..errors import CommTimeoutError, MismatchError, PeerClosedError
 
 LINE = 256                  # bytes of control per rank
 SIG_WORDS = 8               # int64 signature words per slot; two slots at bytes 64 and 128
+REASON_AT = 192             # a rank's abort reason (text) fills the rest of its line
 DEFAULT_SLOT_BYTES = 4 << 20
 WAIT_SLICE = 0.05
 
@@ -181,7 +182,7 @@ class ShmArena:
                 if v >= target:
                     break
                 if ctrl[word + 1]:
-                    raise PeerClosedError(f"{what}: rank {self.ranks[r]} aborted the group",
+                    raise PeerClosedError(f"{what}: rank {self.ranks[r]} left the group: {self._reason(r)}",
                                           rank=self.ranks[self.me], peer=self.ranks[r])
                 if spins < self.spin:
                     spins += 1
@@ -197,9 +198,18 @@ class ShmArena:
                     raise PeerClosedError(f"{what}: rank {self.ranks[r]} (pid {self.pids[r]}) died",
                                           rank=self.ranks[self.me], peer=self.ranks[r])
 
-    def abort(self) -> None:
+    def _reason(self, rank: int) -> str:
+        start = rank * LINE + REASON_AT
+        text = bytes(self.mm[start:start + LINE - REASON_AT]).split(b"\0", 1)[0]
+        return text.decode("utf-8", "replace") or "aborted"
+
+    def abort(self, reason: str = "") -> None:
+        """Make peers' barriers fail fast; ``reason`` (truncated) is what they will report."""
         if self.closed:
             return
+        data = reason.encode("utf-8", "replace")[:LINE - REASON_AT - 1] + b"\0"
+        start = self.me * LINE + REASON_AT
+        self.mm[start:start + len(data)] = data
         # A separate abort word, so that a peer still reading this rank's epoch for a
         # barrier it legitimately passed is not misled; the wake makes waiters re-check.
         w = self.me * LINE // 4
@@ -211,7 +221,7 @@ class ShmArena:
             return
         # Tell peers still waiting in a barrier that this rank is gone (a clean destroy
         # keeps the process alive, so the pid check alone would not end their wait).
-        self.abort()
+        self.abort("destroyed its process group")
         self.closed = True
         # The numpy/torch/ctypes views export the mmap's buffer; drop them before closing.
         del self._ctrl, self._sig, self._slots

@@ -89,6 +89,7 @@ class Communicator:
         self._queue: deque[tuple[Work, Task]] = deque()
         self._cv = threading.Condition()
         self._running = False
+        self._waiting = 0
         self._closed = False
         self._worker = threading.Thread(target=self._work_loop, name=f"pycoll-worker-{rank}", daemon=True)
         self._worker.start()
@@ -136,7 +137,11 @@ class Communicator:
                 while self._running:
                     if until is not None and until.is_completed():
                         return
-                    self._cv.wait()
+                    self._waiting += 1
+                    try:
+                        self._cv.wait()
+                    finally:
+                        self._waiting -= 1
                 if (until is not None and until.is_completed()) or not self._queue:
                     return
                 work, task = self._queue.popleft()
@@ -146,7 +151,10 @@ class Communicator:
             finally:
                 with self._cv:
                     self._running = False
-                    self._cv.notify_all()
+                    # Wake only a thread that waits for this one (a wake-up per op would
+                    # cost the synchronous path a context switch of the idle worker).
+                    if self._waiting or self._queue:
+                        self._cv.notify_all()
             if work is until:
                 return
 

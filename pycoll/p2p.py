@@ -259,7 +259,14 @@ class P2PEngine:
                 inc.req.source = p
                 inc.req.finish()
             elif not inc.discard:
-                self._unexpected.append((next(self._order), p, inc.hdr, inc.dest))
+                # A receive may have been posted while this frame was being read into a
+                # buffer of its own: it takes the frame now instead of waiting forever.
+                req = next((r for r in self._posted if r.peer in (ANY, p) and r.tag == inc.hdr.sig.seq), None)
+                if req is not None:
+                    self._posted.remove(req)
+                    self._complete_recv(req, p, inc.hdr, inc.dest)
+                else:
+                    self._unexpected.append((next(self._order), p, inc.hdr, inc.dest))
 
 
     def _match(self, p: int, hdr: Header) -> "_Incoming":

@@ -181,7 +181,9 @@ class ShmArena:
                 v = int(ctrl[word])
                 if v >= target:
                     break
-                if ctrl[word + 1]:
+                # Re-read the epoch after seeing the abort word: a peer may pass this barrier
+                # and then leave between the two reads, and that is no failure of ours.
+                if ctrl[word + 1] and int(ctrl[word]) < target:
                     raise PeerClosedError(f"{what}: rank {self.ranks[r]} left the group: {self._reason(r)}",
                                           rank=self.ranks[self.me], peer=self.ranks[r])
                 if spins < self.spin:

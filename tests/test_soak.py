@@ -117,7 +117,9 @@ def _run(n_ops):
     for r, s in enumerate(res):
         (f0, t0, m0), (f1, t1, m1) = s["warm"], s["end"]
         assert f1 <= f0 and t1 == t0, (r, s)
-        assert m1 - m0 < 32, (r, s)
+        # Current RSS swings by up to ~30 MiB with glibc's heap (measured over 1000-4000 ops,
+        # no trend); a leak of 64 KiB per op over the second half would still fail this.
+        assert m1 - m0 < 64, (r, s)
     print(f"\n{n_ops} ops on 3 ranks: {res[0]['seconds']:.1f} s; "
           + "; ".join(f"rank {r}: fds {s['warm'][0]}->{s['end'][0]}, threads {s['end'][1]}, "
                       f"RSS {s['warm'][2]:.0f}->{s['end'][2]:.0f} MiB" for r, s in enumerate(res)))

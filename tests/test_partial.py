@@ -93,8 +93,8 @@ def _conservation(rank, world, mode, k_max, steps, delay_s):
     late = par.flush()
     for res in late:
         received += res.tensor
+    par.close()   # after close every rank has seen every round, the same ones
     history = list(par.history)
-    par.close()
     return {"submitted": submitted, "received": received, "paired": paired,
             "late": [r.info for r in late], "history": history}
 
@@ -117,7 +117,10 @@ def test_conservation_and_bound_under_random_delays(mode, transport):
     assert all(i.initiators for i in paired)
     if mode == "majority":
         assert all(i.initiators == (majority_initiator(5, i.round, world),) for i in paired)
-    assert out[0]["history"][-1].flush
+    # a progress thread may start one more, empty, round while the flush completes elsewhere
+    hist = out[0]["history"]
+    last_flush = max(i for i, r in enumerate(hist) if r.flush)
+    assert all(sum(r.counts) == 0 for r in hist[last_flush + 1:]), hist[last_flush:]
 
 
 def test_conservation_with_fault_injected_delays():

@@ -19,7 +19,8 @@ from . import collectives as C
 from .group import Communicator
 from .reduce_ops import make_reduction
 from .torch_p2p import PointToPoint
-from .validation import check_root, check_tensor, check_tensors, flat, flat_out, same_dtype
+from .validation import (check_root, check_tensor, check_tensors, flat, flat_out, same_dtype,
+                         unflatten_into)
 from .work import Work, completed
 from .cuda.dispatch import install as _install_cuda_dispatch
 
@@ -102,10 +103,7 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         def task(seq, deadline):
             buf = torch.cat([t.reshape(-1) for t in ts]) if ts else torch.empty(0, dtype=dtype)
             C.all_reduce(self._comm, buf, red, seq, deadline)
-            offset = 0
-            for t in ts:
-                t.copy_(buf[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            unflatten_into(buf, ts)
         return self._submit("all_reduce", list(ts), task, opts)
 
     def reduce(self, tensors, opts=None):
@@ -187,8 +185,7 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         def task(seq, deadline):
             buf = torch.empty(inp.numel() * self._size, dtype=inp.dtype)
             C.all_gather(self._comm, buf, i, seq, deadline)
-            for r, o in enumerate(outs):
-                o.copy_(buf[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
+            unflatten_into(buf, outs)
         return self._submit("all_gather", outs, task, opts)
 
     def all_gather_single(self, output, input, opts=None):
@@ -226,11 +223,7 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
             send = torch.cat([t.reshape(-1) for t in ins]) if ins else torch.empty(0, dtype=dtype)
             buf = torch.empty(n * self._size, dtype=dtype)
             C.all_gather(self._comm, buf, send, seq, deadline)
-            for r, outs in enumerate(output_lists):
-                off = r * n
-                for o in outs:
-                    o.copy_(buf[off:off + o.numel()].view_as(o))
-                    off += o.numel()
+            unflatten_into(buf, [o for outs in output_lists for o in outs])
         return self._submit("all_gather", [o for outs in output_lists for o in outs], task, opts)
 
     def gather(self, output_tensors, input_tensors, opts=None):
@@ -250,8 +243,8 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         def task(seq, deadline):
             buf = torch.empty(inp.numel() * self._size, dtype=inp.dtype) if outs else None
             C.gather(self._comm, buf, i, root, seq, deadline)
-            for r, o in enumerate(outs):
-                o.copy_(buf[r * inp.numel():(r + 1) * inp.numel()].view_as(o))
+            if outs:
+                unflatten_into(buf, outs)
         return self._submit("gather", outs, task, opts)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
@@ -287,10 +280,7 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
             send = torch.cat([t.reshape(-1) for t in ins])
             recv = torch.empty(sum(recv_counts), dtype=dtype)
             C.all_to_all(self._comm, recv, send, send_counts, recv_counts, seq, deadline)
-            off = 0
-            for o in outs:
-                o.copy_(recv[off:off + o.numel()].view_as(o))
-                off += o.numel()
+            unflatten_into(recv, outs)
         return self._submit("all_to_all", outs, task, opts)
 
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):

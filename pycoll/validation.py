@@ -87,3 +87,11 @@ def flat_out(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
         return (t if t.dim() == 1 else t.view(-1)), _noop
     work = torch.empty(t.numel(), dtype=t.dtype)
     return work, lambda: t.copy_(work.view(t.shape))
+
+
+def unflatten_into(buf: torch.Tensor, tensors) -> None:
+    """Copy consecutive ranges of the flat ``buf`` into ``tensors``, in order (list-form outputs)."""
+    off = 0
+    for t in tensors:
+        t.copy_(buf[off:off + t.numel()].view_as(t))
+        off += t.numel()

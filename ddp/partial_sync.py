@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from pycoll.partial import PartialAllReduce, RoundResult
+from pycoll.partial import PartialAllReduce, RoundInfo, RoundResult
 
 if TYPE_CHECKING:
     from .distributed import DistributedDataParallel
@@ -40,22 +40,25 @@ class PartialSync:
         if len(dtypes) != 1 or any(p.device.type != "cpu" for p in params):
             raise ValueError(f"DistributedDataParallel(sync={mode!r}) needs CPU parameters of one "
                              f"dtype, got {sorted(map(str, dtypes))}")
-        self.offsets: dict[int, tuple[int, int]] = {}
-        total = 0
-        for p in params:
-            self.offsets[id(p)] = (total, p.numel())
-            total += p.numel()
-        self.flat = torch.zeros(total, dtype=params[0].dtype)
-        self.allreduce = PartialAllReduce(self.flat, group=group, mode=mode,
-                                          max_staleness=max_staleness, seed=seed)
+        self.index = {id(p): i for i, p in enumerate(params)}   # deposit layout: parameter order
+        self.sizes = [p.numel() for p in params]
+        self.allreduce = PartialAllReduce(torch.zeros(sum(self.sizes), dtype=params[0].dtype),
+                                          group=group, mode=mode, max_staleness=max_staleness, seed=seed)
+        self._views: list[torch.Tensor] | None = None   # this step's deposit, split per parameter
+        self._flat: torch.Tensor | None = None
         self._pending: list[tuple[object, torch.futures.Future]] = []
-        self.last: RoundResult | None = None   # the round applied by the last backward
+        self.last: RoundInfo | None = None     # the round applied by the last backward
+
+    def _slices(self, views: list[torch.Tensor], bucket) -> list[torch.Tensor]:
+        return [views[self.index[id(p)]] for p in bucket.parameters()]
 
     def hook(self, _state, bucket) -> torch.futures.Future:
-        with torch.no_grad():
-            for p, grad in zip(bucket.parameters(), bucket.gradients()):
-                off, n = self.offsets[id(p)]
-                self.flat[off:off + n].copy_(grad.reshape(-1))
+        if self._flat is None:
+            self._flat = self.allreduce.buffer()   # filled in place: deposited without a copy
+            self._views = list(self._flat.split(self.sizes))
+        with torch.no_grad():   # one fused copy per bucket (bucket layouts may change; ours not)
+            torch._foreach_copy_(self._slices(self._views, bucket),
+                                 [g.reshape(-1) for g in bucket.gradients()])
         fut: torch.futures.Future = torch.futures.Future()
         self._pending.append((bucket, fut))
         if bucket.is_last():
@@ -64,20 +67,25 @@ class PartialSync:
 
     def _complete(self) -> None:
         pending, self._pending = self._pending, []
+        flat, self._flat = self._flat, None
         try:
-            result = self.allreduce.submit(self.flat).result()
+            result = self.allreduce.all_reduce(flat)
         except BaseException as exc:
             for _, fut in pending:
                 fut.set_exception(exc)
             raise
-        self.last = result
-        avg = result.mean().reshape(-1)
+        self.last = result.info
+        totals = list(result.tensor.reshape(-1).split(self.sizes))
         with torch.no_grad():
             for bucket, fut in pending:
-                for p, grad in zip(bucket.parameters(), bucket.gradients()):
-                    off, n = self.offsets[id(p)]
-                    grad.copy_(avg[off:off + n].view_as(grad))
+                grads = [g.reshape(-1) for g in bucket.gradients()]
+                torch._foreach_copy_(grads, self._slices(totals, bucket))
+                if result.count:   # the average: sum / number of contributions in it
+                    bucket.buffer().div_(result.count)
+                else:
+                    bucket.buffer().zero_()
                 fut.set_result(bucket.buffer())
+        self.allreduce.recycle(result)
 
     def flush(self) -> list[RoundResult]:
         """Collective: the rounds still owed to this rank (late gradients); not applied."""

@@ -7,6 +7,7 @@
         work = par.submit(grad)          # deposit this step's tensor; returns at once
         total = work.wait()              # round `step`'s SUM; work.count deposits are in it
         ...                              # e.g. apply total / work.count
+        # or, when nothing runs between the two: res = par.all_reduce(grad)
     leftover = par.flush()               # collective: the rounds no submit was paired with
     par.close()
 
@@ -14,7 +15,8 @@ A *round* is one all-reduce, over a private group, of ``[data..., metadata per r
 Round k starts when its *initiator* arrives (solo: the first rank to deposit its k-th
 tensor; majority: ``majority_initiator(seed, k)``), which sends an activation (p2p, round
 number in the payload, one fixed tag: a posted receive cannot be cancelled, so each rank
-keeps exactly one any-source receive posted). Every rank then contributes its pending
+keeps exactly one any-source receive posted) unless the round's all-reduce completes within
+``activation_delay`` (every rank was on its way: no message needed). Every rank then contributes its pending
 deposits of index <= k; later ones go to a later round: never lost, never counted twice.
 A background thread serves rounds while the user's thread computes; a user thread that
 waits runs them itself. Bookkeeping and the staleness bound: ``partial_rounds.py``;
@@ -29,9 +31,11 @@ from collections import deque
 from datetime import timedelta
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import slow_wait
 from .errors import CommTimeoutError, PycollError
 from .partial_activation import Activations
 from .partial_rounds import MODES, NF, Contribution, Ledger, RoundInfo, majority_initiator
@@ -90,10 +94,14 @@ class PartialAllReduce:
     """
 
     def __init__(self, like: torch.Tensor, group=None, mode: str = "solo", max_staleness: int = 4,
-                 seed: int = 0, timeout: float | timedelta | None = None, history: int = 4096) -> None:
+                 seed: int = 0, timeout: float | timedelta | None = None, history: int = 4096,
+                 activation_delay: float = 0.002) -> None:
         if not isinstance(like, torch.Tensor) or like.dtype not in DTYPES or like.device.type != "cpu":
             raise TypeError(f"PartialAllReduce: the template must be a CPU tensor of one of "
                             f"{[str(d) for d in DTYPES]}, got {getattr(like, 'dtype', type(like))}")
+        if not activation_delay >= 0:
+            raise ValueError(f"PartialAllReduce: activation_delay must be >= 0 s, got {activation_delay!r}")
+        self.activation_delay = float(activation_delay)
         group = group if group is not None else dist.group.WORLD
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
@@ -107,9 +115,14 @@ class PartialAllReduce:
         self._pg = dist.new_group(ranks, timeout=timedelta(seconds=self.timeout),
                                   use_local_synchronization=group is not dist.group.WORLD)
         self._peers = [ranks[r] for r in range(self.world) if r != self.rank]
-        self._cv = threading.Condition()
+        self._inline = dist.get_backend(self._pg) == "pycoll"   # see _initiate
+        lock = threading.Lock()
+        self._cv = threading.Condition(lock)     # user threads: deposits, results, hand-overs
+        self._wake = threading.Condition(lock)   # the progress thread: something to serve
+        self._slot = self._n + self.world * NF   # a deposit's buffer doubles as a round's
         self._deposits: deque[tuple[int, torch.Tensor]] = deque()
-        self._free: list[torch.Tensor] = []
+        self._free: list[torch.Tensor] = []        # round buffers ready for reuse
+        self._lent: dict[int, torch.Tensor] = {}   # data_ptr -> buffer() out with the user
         self._next = 0                     # index of this rank's next deposit
         self._results: dict[int, RoundResult] = {}
         self._done = 0                     # rounds completed
@@ -118,8 +131,10 @@ class PartialAllReduce:
         self._closed = False
         self._driver: str | None = None    # who runs rounds now: "thread", "user" or nobody
         self._waiting = 0                  # user threads blocked in wait/flush (they drive)
+        self._parked = False               # the progress thread drives but waits for a trigger
         self._activated: set[int] = set()          # rounds an activation arrived for
-        self._act = Activations(self._pg, self.rank, self._peers, self._cv)
+        self._timer: tuple[int, float] | None = None   # (round, when): activate unless done by then
+        self._act = Activations(self._pg, self.rank, self._peers, lock, self._notify_all)
         self.history: deque[RoundInfo] = deque(maxlen=history)
         self._thread = threading.Thread(target=self._progress, name=f"pycoll-partial-{self.rank}",
                                         daemon=True)
@@ -128,6 +143,40 @@ class PartialAllReduce:
     # ---- the training thread's side ---------------------------------------------------
     def submit(self, tensor: torch.Tensor) -> PartialWork:
         """Deposit ``tensor`` (copied); the handle resolves to the round paired with it."""
+        return PartialWork(self, self._deposit(tensor))
+
+    def buffer(self) -> torch.Tensor:
+        """A flat tensor of the template's size to fill and pass to ``submit``/``all_reduce``,
+        which then deposit it without copying (it belongs to this object again from then)."""
+        with self._cv:
+            buf = self._free.pop() if self._free else torch.empty(self._slot, dtype=self.dtype)
+            self._lent[buf.data_ptr()] = buf
+        return buf[:self._n]
+
+    def recycle(self, result: RoundResult) -> None:
+        """Hand a result's buffer back for reuse once done with it (optional: saves an
+        allocation per round; ``result.tensor`` must not be used afterwards)."""
+        base = result.tensor._base
+        if base is None or base.numel() != self._slot or base.dtype != self.dtype:
+            raise ValueError("PartialAllReduce.recycle: not a round result of this object")
+        with self._cv:
+            if all(b.data_ptr() != base.data_ptr() for b in self._free):   # not twice
+                self._free.append(base)
+
+    def all_reduce(self, tensor: torch.Tensor, timeout: float | None = None) -> RoundResult:
+        """``submit(tensor).result(timeout)`` in one call: this thread drives the round from
+        the start, so the progress thread is never woken to start it (the cheap path when
+        nothing runs between submit and wait, as in DDP)."""
+        with self._cv:
+            self._waiting += 1
+        try:
+            return self._claim(self._deposit(tensor), timeout)
+        finally:
+            with self._cv:
+                self._waiting -= 1
+                self._wake_if_needed()
+
+    def _deposit(self, tensor: torch.Tensor) -> int:
         if tensor.numel() != self._n or tensor.dtype != self.dtype:
             raise ValueError(f"PartialAllReduce.submit: expected {self.dtype}[{self._n}], got "
                              f"{tensor.dtype}[{tensor.numel()}]")
@@ -135,15 +184,24 @@ class PartialAllReduce:
             self._check("submit")
             if self._flushing:
                 raise RuntimeError("PartialAllReduce.submit: a flush is in progress")
-            buf = self._free.pop() if self._free else torch.empty(self._n, dtype=self.dtype)
-        with torch.no_grad():
-            buf.copy_(tensor.reshape(-1))
+            ptr = tensor.data_ptr()
+            lent = self._lent.get(ptr)
+            if lent is not None and lent.data_ptr() == ptr and tensor.is_contiguous():
+                buf, copy = self._lent.pop(ptr), False     # filled in place: from buffer()
+            else:
+                buf = self._free.pop() if self._free else torch.empty(self._slot, dtype=self.dtype)
+                copy = True
+        if copy:
+            with torch.no_grad():
+                buf[:self._n].copy_(tensor.reshape(-1))
         with self._cv:
             index = self._next
             self._next += 1
             self._deposits.append((index, buf))
-            self._cv.notify_all()
-        return PartialWork(self, index)
+            self._cv.notify_all()            # a thread driving a round may wait for it
+            if not self._waiting:            # else a user thread is about to drive
+                self._wake.notify()
+        return index
 
     def flush(self, timeout: float | None = None) -> list[RoundResult]:
         """Collective: run rounds until every rank's deposits are all in; return the results
@@ -152,7 +210,7 @@ class PartialAllReduce:
             self._check("flush")
             start, gen = self._next, self._flushes
             self._flushing = True
-            self._cv.notify_all()
+            self._notify_all()
         self._drive_until(lambda: self._flushes != gen, timeout, "flush")
         with self._cv:
             return [self._results.pop(k) for k in range(start, self._flush_round + 1)]
@@ -170,7 +228,7 @@ class PartialAllReduce:
         finally:
             with self._cv:
                 self._closed = True
-                self._cv.notify_all()
+                self._notify_all()
             self._thread.join(5)
             if flushed:
                 dist.barrier(group=self._pg)   # nobody may still be reading the last round
@@ -202,7 +260,8 @@ class PartialAllReduce:
     def _drive_until(self, done, timeout: float | None, what: str) -> None:
         """Wait for ``done()``; meanwhile run rounds in this thread, the progress thread
         stepping aside (it serves rounds only while the user's thread is busy elsewhere).
-        On the common path (submit, then wait) this costs no thread handoff at all."""
+        A progress thread that is only parked, waiting for a round to start, is relieved
+        without waking it: the common path (submit, then wait) costs no thread handoff."""
         limit = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         with self._cv:
@@ -214,7 +273,7 @@ class PartialAllReduce:
                         if done():
                             return
                         self._check(what)
-                        if self._driver is None:
+                        if self._driver is None or (self._driver == "thread" and self._parked):
                             self._driver = "user"
                             break
                         left = deadline - time.monotonic()
@@ -235,13 +294,24 @@ class PartialAllReduce:
         finally:
             with self._cv:
                 self._waiting -= 1
-                self._cv.notify_all()
+                self._wake_if_needed()
+
+    def _notify_all(self) -> None:
+        """Wake everyone (call holding the lock): an activation, a flush or close."""
+        self._cv.notify_all()
+        self._wake.notify()
+
+    def _wake_if_needed(self) -> None:
+        """The last waiting user thread left (call holding the lock): the progress thread,
+        parked while it was there, takes over if something already waits to be served."""
+        if not self._waiting and (self._act.ready or self._deposits or self._flushing):
+            self._wake.notify()
 
     def _fail(self, exc: BaseException) -> None:
         with self._cv:
             if self._error is None and not self._closed:
                 self._error = exc
-            self._cv.notify_all()
+            self._notify_all()
 
     def _timeout_error(self, msg: str) -> CommTimeoutError:
         return CommTimeoutError(f"PartialAllReduce rank {self.rank}: {msg}", op="partial_all_reduce",
@@ -260,18 +330,31 @@ class PartialAllReduce:
             if self.world > 1:
                 self._act.post()
             while True:
+                fire = None
                 with self._cv:
                     while (self._driver is not None or self._waiting) and not self._closed:
-                        self._cv.wait()
-                    if self._closed:
-                        return
-                    self._driver = "thread"
+                        timer = self._timer
+                        if timer is None:
+                            self._wake.wait()
+                        elif timer[1] <= time.monotonic():
+                            fire, self._timer = timer[0], None
+                            break
+                        else:
+                            self._wake.wait(timer[1] - time.monotonic())
+                    if fire is None:
+                        if self._closed:
+                            return
+                        self._driver = "thread"
+                if fire is not None:
+                    self._act.send(fire)     # the user thread's round is late: activate
+                    continue
                 try:
                     self._round(None, "")
                 finally:
                     with self._cv:
-                        self._driver = None
-                        self._cv.notify_all()
+                        if self._driver == "thread":   # else a user thread relieved it
+                            self._driver = None
+                            self._cv.notify_all()
         except BaseException as exc:  # noqa: BLE001 - rethrown on the user's next call
             self._fail(exc)
 
@@ -282,22 +365,24 @@ class PartialAllReduce:
         how = self._await(lambda: self._trigger(k), lambda: self._waiting_for_trigger(k), deadline, what)
         if how is None:
             return
-        if how == "initiate":
-            self._act.send(k)
         need = led.must_include(self.rank)
         if need is not None and self._await(lambda: self._next > need or self._flushing,
                                             lambda: f"its own deposit {need} (staleness bound)",
                                             deadline, what) is None:
             return
         buf, mine = self._snapshot(k, how == "initiate")
-        dist.all_reduce(buf, group=self._pg)
-        rows = buf[self._n:].view(self.world, NF).to(torch.int64).tolist()  # exact small ints
+        if how == "initiate":
+            self._initiate(buf, k, deadline is None)
+        else:
+            dist.all_reduce(buf, group=self._pg)
+        rows = buf.numpy()[self._n:].reshape(self.world, NF).astype(np.int64).tolist()  # exact
         info = led.close_round(rows)
         if info.counts[self.rank] != mine.count:
             raise RuntimeError(f"PartialAllReduce round {k}: metadata says rank {self.rank} "
                                f"contributed {info.counts[self.rank]}, it sent {mine.count}")
         result = RoundResult(buf[:self._n].view(self.shape), info.count, info)
         with self._cv:
+            self._timer = None
             self._results[k] = result
             self.history.append(info)
             self._done = k + 1
@@ -308,6 +393,24 @@ class PartialAllReduce:
                 self._next = k + 1          # deposit index == round index again
             self._cv.notify_all()
         self._activated = {m for m in self._activated if m > k}
+
+    def _initiate(self, buf: torch.Tensor, k: int, from_progress_thread: bool) -> None:
+        """The initiator's all-reduce of round k. Peers get an activation at once, or, when a
+        user thread initiates, only if the all-reduce is still waiting ``activation_delay``
+        from now: when every rank arrives within that grace period (balanced steps), no
+        message is sent. On pycoll the all-reduce itself sends them (it runs in this thread:
+        ``pycoll.slow_wait``); on other backends the progress thread keeps the time."""
+        if self.world > 1 and (from_progress_thread or self.activation_delay <= 0):
+            self._act.send(k)
+        elif self.world > 1 and self._inline:
+            with slow_wait.on_slow(self.activation_delay, lambda: self._act.send(k)):
+                dist.all_reduce(buf, group=self._pg)
+            return
+        elif self.world > 1:
+            with self._cv:
+                self._timer = (k, time.monotonic() + self.activation_delay)
+                self._wake.notify()
+        dist.all_reduce(buf, group=self._pg)
 
     def _trigger(self, k: int) -> str | None:
         if k in self._activated:
@@ -330,21 +433,26 @@ class PartialAllReduce:
     def _await(self, ready, describe, deadline: float | None, what: str):
         """Wait for ``ready()`` (truthy) while serving activations. None: step back (closed,
         or the progress thread yielding to a user thread that waits and will drive)."""
+        cond = self._wake if deadline is None else self._cv   # deadline None: the progress thread
         while True:
             with self._cv:
-                while not self._act.ready:
-                    if self._closed or (deadline is None and self._waiting):
+                while True:
+                    if self._closed or (deadline is None and (self._waiting or self._driver != "thread")):
                         return None
+                    if self._act.ready:
+                        break
                     value = ready()
                     if value:
                         return value
                     if deadline is None:
-                        self._cv.wait()
+                        self._parked = True    # a waiting user thread may take over now
+                        cond.wait()
+                        self._parked = False
                         continue
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise self._timeout_error(f"{what}: still waiting for {describe()}")
-                    self._cv.wait(left)
+                    cond.wait(left)
                 self._act.ready = False
             if self._closed:
                 return None
@@ -353,27 +461,30 @@ class PartialAllReduce:
                 self._activated.add(k)
 
     def _snapshot(self, k: int, initiated: bool) -> tuple[torch.Tensor, Contribution]:
-        """This rank's slot for round k: every pending deposit of index <= k, plus metadata."""
+        """This rank's slot for round k: every pending deposit of index <= k, plus metadata.
+        A single deposit (the common case) is its own round buffer: no copy."""
         taken = []
         with self._cv:
             while self._deposits and self._deposits[0][0] <= k:
                 taken.append(self._deposits.popleft())
             left, flushing = len(self._deposits), self._flushing
-        buf = torch.empty(self._n + self.world * NF, dtype=self.dtype)
-        data = buf[:self._n]
-        if taken:
-            data.copy_(taken[0][1])
-            for _, t in taken[1:]:
-                data.add_(t)
+        if len(taken) == 1:
+            buf = taken[0][1]
         else:
-            data.zero_()
-        buf[self._n:].zero_()
+            buf = torch.empty(self._slot, dtype=self.dtype)
+            data = buf[:self._n]
+            if taken:
+                data.copy_(taken[0][1][:self._n])
+                for _, t in taken[1:]:
+                    data.add_(t[:self._n])
+            else:
+                data.zero_()
         mine = Contribution(len(taken), taken[0][0] if taken else 0, taken[-1][0] if taken else 0,
                             initiated, flushing, left)
-        buf[self._n + self.rank * NF:self._n + (self.rank + 1) * NF] = torch.tensor(mine.row(k), dtype=self.dtype)
-        if taken:
+        meta = buf.numpy()[self._n:]          # numpy: a few small writes, no dispatcher cost
+        meta[:] = 0
+        meta[self.rank * NF:(self.rank + 1) * NF] = mine.row(k)
+        if len(taken) > 1:
             with self._cv:
                 self._free.extend(t for _, t in taken)
         return buf, mine
-
-    # ---- activation messages -----------------------------------------------------------

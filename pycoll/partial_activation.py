@@ -5,11 +5,16 @@ one any-source receive posted and re-posts it after each message: torch.distribu
 cancel a posted receive, so a per-round tag would leave a dangling receive behind every
 round a rank started alone. The round number in the payload identifies duplicates (several
 solo initiators) and stale activations, which the caller drops.
+
+An activation only matters to a rank that is not already in the round (its training thread
+is computing); when every rank arrives within the initiator's grace period (balanced
+steps), ``pycoll.partial`` sends none at all.
 """
 
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -18,9 +23,12 @@ TAG = 0x5041  # "PA"; the group is private, so it cannot collide with user tags
 
 
 class Activations:
-    def __init__(self, group, rank: int, peers: list[int], cv: threading.Condition) -> None:
-        self.group, self.rank, self.peers, self.cv = group, rank, peers, cv
-        self.ready = False        # a message is waiting (read and written under ``cv``)
+    def __init__(self, group, rank: int, peers: list[int], lock: threading.Lock,
+                 on_arrival: Callable[[], None]) -> None:
+        self.group, self.rank, self.peers = group, rank, peers
+        self.lock, self.on_arrival = lock, on_arrival
+        self.ready = False        # a message is waiting (read and written under ``lock``)
+        self.sent = 0             # activation messages sent (observability, tests)
         self._inbox: tuple | None = None
         self._sends: list[tuple] = []
 
@@ -32,13 +40,13 @@ class Activations:
 
     def _arrived(self, _fut) -> None:
         # Runs on the backend's thread: only flag and notify, never call into the backend.
-        with self.cv:
+        with self.lock:
             self.ready = True
-            self.cv.notify_all()
+            self.on_arrival()
 
     def take(self) -> int:
         """The round of the message that arrived (call with ``ready`` seen and cleared,
-        outside ``cv``: it posts the next receive)."""
+        outside the lock: it posts the next receive)."""
         work, buf = self._inbox
         work.wait()  # already complete: re-raises a failed receive
         k, _sender = buf.tolist()
@@ -57,3 +65,4 @@ class Activations:
         for peer in self.peers:
             still.append((dist.isend(payload, dst=peer, group=self.group, tag=TAG), payload))
         self._sends = still
+        self.sent += len(self.peers)

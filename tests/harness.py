@@ -90,7 +90,10 @@ class _Pool:
     def kill_all(self) -> None:
         for p, conn in self._workers:
             if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+                try:
+                    os.kill(p.pid, signal.SIGKILL)
+                except ProcessLookupError:  # it exited between the check and the kill
+                    pass
         for p, conn in self._workers:
             p.join(5)
             conn.close()

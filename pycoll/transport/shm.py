@@ -27,6 +27,7 @@ import time
 import numpy as np
 import torch
 
+from .. import slow_wait
 from ..errors import CommTimeoutError, MismatchError, PeerClosedError
 
 LINE = 256                  # bytes of control per rank
@@ -189,13 +190,14 @@ class ShmArena:
                 if spins < self.spin:
                     spins += 1
                     continue
-                left = deadline - time.monotonic()
+                now = time.monotonic()
+                left = deadline - now
                 if left <= 0:
                     raise CommTimeoutError(f"{what}: rank {self.ranks[self.me]} timed out waiting for "
                                            f"rank {self.ranks[r]} in shared memory (it is at sync "
                                            f"{v}, this rank at {target})",
                                            rank=self.ranks[self.me], peer=self.ranks[r])
-                _futex_wait(self._base + word * 4, v, min(left, WAIT_SLICE))
+                _futex_wait(self._base + word * 4, v, min(left, WAIT_SLICE, slow_wait.due(now)))
                 if self.pids is not None and int(ctrl[word]) == v and not _alive(self.pids[r]):
                     raise PeerClosedError(f"{what}: rank {self.ranks[r]} (pid {self.pids[r]}) died",
                                           rank=self.ranks[self.me], peer=self.ranks[r])

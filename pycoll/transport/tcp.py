@@ -22,6 +22,7 @@ import socket
 import time
 from typing import Sequence
 
+from .. import slow_wait
 from ..errors import CommError, PeerClosedError, ProtocolError
 from ..wire import ABORT, BYE, DATA, control_payload_length, decode_header, header_length
 from .base import InFrame, OutFrame, Transport, check_header, control_error
@@ -262,7 +263,7 @@ class TcpTransport(FailureHandling, Transport):
         poller = select.poll()
         poller.register(self._st.wake_r, select.POLLIN)
         idle: dict[int, Conn] = {}
-        wake = min(left, 1.0)
+        wake = min(left, 1.0, slow_wait.due(now))
         for peer, conn in self.conns.items():
             mask = (select.POLLOUT if peer in sends else 0) | (select.POLLIN if peer in recvs else 0)
             if peer not in recvs:

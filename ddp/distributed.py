@@ -31,7 +31,8 @@ class DistributedDataParallel(Module, Joinable):
     def __init__(self, module: Module, process_group=None, bucket_cap_mb: float = 25,
                  first_bucket_cap_mb: float = 1, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True,
-                 static_graph: bool = False, sync: str = "full", max_staleness: int = 4) -> None:
+                 static_graph: bool = False, sync: str = "full", max_staleness: int = 4,
+                 activation_delay: float = 0.01) -> None:
         super().__init__()
         Joinable.__init__(self)
         if not dist.is_initialized():
@@ -61,7 +62,7 @@ class DistributedDataParallel(Module, Joinable):
         buffers = [b for _, b in named_buffers]
         self._buffer_sync = BufferBroadcaster(buffers) if broadcast_buffers and self.world_size > 1 else None
         # sync="solo"|"majority": eager-SGD partial all-reduce (partial_sync.py); None for "full"
-        self.partial = attach_partial(self, sync, max_staleness)
+        self.partial = attach_partial(self, sync, max_staleness, activation_delay=activation_delay)
 
     def _state_tensors(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.module.parameters()] + list(self.module.buffers())

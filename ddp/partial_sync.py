@@ -35,7 +35,7 @@ class PartialSync:
     """One partial all-reduce of all trainable gradients; ``hook`` is the comm hook."""
 
     def __init__(self, params: Sequence[torch.Tensor], group, mode: str, max_staleness: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, activation_delay: float = 0.01) -> None:
         dtypes = {p.dtype for p in params}
         if len(dtypes) != 1 or any(p.device.type != "cpu" for p in params):
             raise ValueError(f"DistributedDataParallel(sync={mode!r}) needs CPU parameters of one "
@@ -43,7 +43,8 @@ class PartialSync:
         self.index = {id(p): i for i, p in enumerate(params)}   # deposit layout: parameter order
         self.sizes = [p.numel() for p in params]
         self.allreduce = PartialAllReduce(torch.zeros(sum(self.sizes), dtype=params[0].dtype),
-                                          group=group, mode=mode, max_staleness=max_staleness, seed=seed)
+                                          group=group, mode=mode, max_staleness=max_staleness, seed=seed,
+                                          activation_delay=activation_delay)
         self._views: list[torch.Tensor] | None = None   # this step's deposit, split per parameter
         self._flat: torch.Tensor | None = None
         self._pending: list[tuple[object, torch.futures.Future]] = []
@@ -95,7 +96,8 @@ class PartialSync:
         self.allreduce.close()
 
 
-def attach(model: "DistributedDataParallel", sync: str, max_staleness: int, seed: int = 0) -> PartialSync | None:
+def attach(model: "DistributedDataParallel", sync: str, max_staleness: int, seed: int = 0,
+           activation_delay: float = 0.01) -> PartialSync | None:
     """Validate ``sync`` and, for a partial mode, register the partial hook on ``model``."""
     if sync not in SYNC_MODES:
         raise ValueError(f"DistributedDataParallel: sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -108,6 +110,7 @@ def attach(model: "DistributedDataParallel", sync: str, max_staleness: int, seed
     if model.broadcast_buffers and model.world_size > 1 and any(True for _ in model.module.buffers()):
         raise ValueError(f"DistributedDataParallel(sync={sync!r}): broadcasting buffers every "
                          "forward would synchronise every step; pass broadcast_buffers=False")
-    partial = PartialSync(model.reducer.params, model.process_group, sync, max_staleness, seed)
+    partial = PartialSync(model.reducer.params, model.process_group, sync, max_staleness, seed,
+                          activation_delay)
     model.reducer.register_comm_hook(None, partial.hook)
     return partial

@@ -95,7 +95,7 @@ class PartialAllReduce:
 
     def __init__(self, like: torch.Tensor, group=None, mode: str = "solo", max_staleness: int = 4,
                  seed: int = 0, timeout: float | timedelta | None = None, history: int = 4096,
-                 activation_delay: float = 0.002) -> None:
+                 activation_delay: float = 0.01) -> None:
         if not isinstance(like, torch.Tensor) or like.dtype not in DTYPES or like.device.type != "cpu":
             raise TypeError(f"PartialAllReduce: the template must be a CPU tensor of one of "
                             f"{[str(d) for d in DTYPES]}, got {getattr(like, 'dtype', type(like))}")

@@ -80,7 +80,8 @@ def train_once(rank: int, world: int, mode: str, imbalance: bool, seed: int, o: 
 
     xtr, ytr, _, _ = data
     torch.manual_seed(seed)
-    model = DistributedDataParallel(mlp(), sync=mode, max_staleness=o["max_staleness"])
+    model = DistributedDataParallel(mlp(), sync=mode, max_staleness=o["max_staleness"],
+                                    activation_delay=o["activation_delay"] / 1e3)
     opt = torch.optim.SGD(model.parameters(), lr=o["lr"])
     loss_fn = nn.CrossEntropyLoss()
     gen = torch.Generator().manual_seed(seed * 1000 + rank)
@@ -89,7 +90,8 @@ def train_once(rank: int, world: int, mode: str, imbalance: bool, seed: int, o: 
     stamps, snaps = [], []
     dist.barrier()
     t0 = time.perf_counter()
-    for step in range(o["steps"]):
+    steps = o["steps"] if imbalance else o["balanced_steps"]
+    for step in range(steps):
         who, delay = straggler.randrange(world), straggler.uniform(lo, hi)
         if imbalance and who == rank:
             time.sleep(delay)
@@ -104,7 +106,7 @@ def train_once(rank: int, world: int, mode: str, imbalance: bool, seed: int, o: 
     rounds = None
     if model.partial is not None:
         p = model.partial
-        infos = list(p.allreduce.history)[:o["steps"]]
+        infos = list(p.allreduce.history)[:steps]
         rounds = {"mean_count": statistics.fmean(i.count for i in infos),
                   "max_age": max(i.max_age for i in infos),
                   "waited": sum(1 for i in infos if i.required)}
@@ -114,7 +116,7 @@ def train_once(rank: int, world: int, mode: str, imbalance: bool, seed: int, o: 
     if rank != 0:
         return {}
     return {"mode": mode, "imbalance": imbalance, "seed": seed, "world": world,
-            "step_time": [max(s[i] for s in every) for i in range(o["steps"])],
+            "step_time": [max(s[i] for s in every) for i in range(steps)],
             "snaps": snaps, "rounds": rounds}
 
 
@@ -179,8 +181,8 @@ def evaluate(runs: list[dict], o: dict) -> None:
             curve.append((step, r["step_time"][step - 1], accuracy(model, xte, yte)))
         r["curve"] = curve
         r["final_acc"] = curve[-1][2]
-        hit = next((t for _, t, a in curve if a >= o["target"]), None)
-        r["time_to_target"] = hit
+        r["time_to"] = {str(tg): next((t for _, t, a in curve if a >= tg), None) for tg in o["targets"]}
+        r["time_to_target"] = r["time_to"][str(o["target"])]
         r["total_time"] = r["step_time"][-1]
         gaps = [b - a for a, b in zip([0.0] + r["step_time"][:-1], r["step_time"])]
         r["median_step_ms"] = 1e3 * statistics.median(gaps)
@@ -200,8 +202,13 @@ def summarise(runs: list[dict]) -> list[dict]:
             row = {"world": world, "imbalance": imb, "mode": mode, "runs": len(rs),
                    "reached": len(hits),
                    "time_to_target_s": statistics.median(hits) if len(hits) == len(rs) else None,
+                   "time_to_s": {},
                    "total_time_s": statistics.median(r["total_time"] for r in rs),
+                   "median_step_ms": statistics.median(r["median_step_ms"] for r in rs),
                    "final_acc": statistics.median(r["final_acc"] for r in rs)}
+            for tg in rs[0]["time_to"]:
+                ts = [r["time_to"][tg] for r in rs]
+                row["time_to_s"][tg] = statistics.median(ts) if None not in ts else None
             if rs[0]["rounds"]:
                 row["mean_count"] = statistics.fmean(r["rounds"]["mean_count"] for r in rs)
                 row["max_age"] = max(r["rounds"]["max_age"] for r in rs)
@@ -211,24 +218,33 @@ def summarise(runs: list[dict]) -> list[dict]:
                 if base["time_to_target_s"] and row["time_to_target_s"]:
                     row["speedup_to_target"] = base["time_to_target_s"] / row["time_to_target_s"]
                 row["time_ratio_total"] = row["total_time_s"] / base["total_time_s"]
+                row["step_ratio"] = row["median_step_ms"] / base["median_step_ms"]
+                row["speedup_to"] = {tg: (base["time_to_s"][tg] / t if t and base["time_to_s"][tg] else None)
+                                     for tg, t in row["time_to_s"].items()}
                 row["acc_delta_points"] = 100 * (row["final_acc"] - base["final_acc"])
             rows.append(row)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| world | imbalance | mode | time to target (s) | total (s) | final acc | speed-up to target | "
-           "time vs full | acc vs full (pts) | deposits/round | max age |",
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+    targets = list(rows[0]["time_to_s"]) if rows else []
+    tnames = [f"{100 * float(t):.0f}%" for t in targets]
+    out = ["| world | imbalance | mode | " + " | ".join(f"time to {n} (s)" for n in tnames) +
+           " | median step (ms) | total (s) | final acc | " +
+           " | ".join(f"speed-up to {n}" for n in tnames) +
+           " | step vs full | total vs full | acc vs full (pts) | deposits/round | max age |",
+           "|---" * (11 + 2 * len(targets)) + "|"]
 
-    def f(v, fmt):
-        return "n/a" if v is None else format(v, fmt)
+    def f(v, fmt, suffix=""):
+        return "n/a" if v is None else format(v, fmt) + suffix
     for r in rows:
+        sp = r.get("speedup_to", {})
         out.append(f"| {r['world']} | {'yes' if r['imbalance'] else 'no'} | {r['mode']} | "
-                   f"{f(r['time_to_target_s'], '.2f')} ({r['reached']}/{r['runs']}) | "
-                   f"{r['total_time_s']:.2f} | {100 * r['final_acc']:.1f}% | "
-                   f"{f(r.get('speedup_to_target'), '.2f')}{'x' if r.get('speedup_to_target') else ''} | "
-                   f"{f(r.get('time_ratio_total'), '.3f')} | {f(r.get('acc_delta_points'), '+.1f')} | "
+                   + " | ".join(f(r["time_to_s"][t], ".2f") for t in targets) +
+                   f" | {r['median_step_ms']:.2f} | {r['total_time_s']:.2f} | {100 * r['final_acc']:.1f}% | "
+                   + " | ".join(f(sp.get(t), ".2f", "x") if r["mode"] != "full" else "" for t in targets) +
+                   f" | {f(r.get('step_ratio'), '.3f')} | {f(r.get('time_ratio_total'), '.3f')} | "
+                   f"{f(r.get('acc_delta_points'), '+.1f')} | "
                    f"{f(r.get('mean_count'), '.2f')} | {r.get('max_age', 'n/a')} |")
     return "\n".join(out)
 
@@ -273,13 +289,19 @@ def main(argv=None) -> None:
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--balanced-steps", type=int, default=600,
+                    help="steps of the runs without imbalance (short steps: more of them for a stable time)")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.2)
     ap.add_argument("--max-staleness", type=int, default=8)
+    ap.add_argument("--activation-delay", type=float, default=10.0,
+                    help="ms an initiator waits in its all-reduce before it activates the others")
     ap.add_argument("--delay-lo", type=float, default=40.0, help="ms")
     ap.add_argument("--delay-hi", type=float, default=80.0, help="ms")
-    ap.add_argument("--target", type=float, default=0.95)
-    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--target", type=float, default=0.95, help="the plot's target")
+    ap.add_argument("--targets", type=float, nargs="+", default=[0.90, 0.93, 0.95],
+                    help="report time to each of these test accuracies")
+    ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--imbalance", choices=("both", "yes", "no"), default="both")
     ap.add_argument("--quick", action="store_true", help="world 2, one seed, 100 steps")
     ap.add_argument("--switch-interval", type=float, default=0.001,
@@ -288,10 +310,11 @@ def main(argv=None) -> None:
     ap.add_argument("--plot", type=Path, nargs="?", const=REPO / "docs" / "eager_sgd.png")
     a = ap.parse_args(argv)
     if a.quick:
-        a.worlds, a.seeds, a.steps = [2], 1, 100
-    o = {"steps": a.steps, "batch": a.batch, "lr": a.lr, "max_staleness": a.max_staleness,
+        a.worlds, a.seeds, a.steps, a.balanced_steps = [2], 1, 100, 200
+    o = {"steps": a.steps, "balanced_steps": a.balanced_steps, "batch": a.batch, "lr": a.lr, "max_staleness": a.max_staleness,
+         "activation_delay": a.activation_delay,
          "delay_lo": a.delay_lo, "delay_hi": a.delay_hi, "target": a.target,
-         "eval_every": a.eval_every, "switch_interval": a.switch_interval, "seeds": a.seeds, "modes": a.modes,
+         "eval_every": a.eval_every, "targets": sorted(set(a.targets) | {a.target}), "switch_interval": a.switch_interval, "seeds": a.seeds, "modes": a.modes,
          "imbalance": {"both": [False, True], "yes": [True], "no": [False]}[a.imbalance]}
     t0 = time.perf_counter()
     runs = []
@@ -300,7 +323,7 @@ def main(argv=None) -> None:
         print(f"world {world} done at {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     evaluate(runs, o)
     rows = summarise(runs)
-    print(f"target {100 * a.target:.0f}% test accuracy; {a.steps} steps x batch {a.batch} per rank; "
+    print(f"{a.steps} steps (balanced: {a.balanced_steps}) x batch {a.batch} per rank; "
           f"imbalance: one rank per step sleeps U({a.delay_lo:g}, {a.delay_hi:g}) ms; "
           f"max_staleness {a.max_staleness}; medians of {a.seeds} seeds; {time.perf_counter() - t0:.0f}s")
     print(table(rows))

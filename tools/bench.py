@@ -75,6 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-factor", "-f", type=int, default=2, help="size multiplier per step")
     p.add_argument("--iters", type=int, default=20, help="timed iterations per backend and size")
     p.add_argument("--warmup", "-w", type=int, default=5)
+    p.add_argument("--timing", choices=("each", "loop"), default="each",
+                   help="each: reset the input and time every op alone (default); loop: time "
+                        "back-to-back ops per round, as nccl-tests and OSU do (the first op checked)")
     p.add_argument("--rounds", type=int, default=4,
                    help="interleaving: the iterations run in this many A B A B ... rounds")
     p.add_argument("--dtype", "-d", choices=list(DTYPES), default="float32")
@@ -215,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         meta_notes.append(f"MPI column omitted: {mpi_why}")
     cfg = {"collectives": collectives, "sizes": sizes, "dtype": args.dtype, "op": args.op,
            "iters": args.iters, "warmup": args.warmup, "rounds": args.rounds,
-           "timeout": args.timeout, "progress": not args.no_progress,
+           "timing": args.timing, "timeout": args.timeout, "progress": not args.no_progress,
            "torch_backends": torch_backends}
 
     reference = bench_ref.measure(args.ref_seconds)  # before the ranks: nothing competes
@@ -239,7 +242,8 @@ def main(argv: list[str] | None = None) -> int:
     result["meta"] = {
         "world_size": args.world_size, "dtype": args.dtype, "op": args.op, "iters": args.iters,
         "warmup": args.warmup, "rounds": min(args.rounds, args.iters), "sizes": sizes,
-        "backends": order, "argv": argv, "notes": meta_notes, "python": platform.python_version(),
+        "timing": args.timing, "backends": order, "argv": argv, "notes": meta_notes,
+        "python": platform.python_version(),
         "torch": __import__("torch").__version__, "host": platform.node(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }

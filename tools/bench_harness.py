@@ -93,6 +93,8 @@ def run_sweep(cfg: dict, rank: int, world: int, apis: dict, agree: Callable[[lis
         active = participates(coll, rank, world)
 
         def chunk(b: str, n: int, timed: bool) -> str | None:
+            if timed and cfg.get("timing") == "loop":
+                return loop_chunk(b, n)
             try:
                 for _ in range(n):
                     i = done[b]
@@ -108,6 +110,27 @@ def run_sweep(cfg: dict, rank: int, world: int, apis: dict, agree: Callable[[lis
                                               if active else None)
                     if checked:
                         rec[b]["wrong"] += coll.check(bufs, rank, world)
+            except Exception as e:  # noqa: BLE001 - any backend failure is reported, not fatal
+                return f"{type(e).__name__}: {e}"
+            return None
+
+        def loop_chunk(b: str, n: int) -> str | None:
+            """nccl-tests style: ``n`` back-to-back ops in one timer (after one checked op and
+            a barrier), each credited with the mean; no reset between them."""
+            try:
+                api = apis[b]
+                if coll.check is not None and done[b] == 0:
+                    reset(coll, bufs, True)
+                    coll.run(api, bufs, rank, world)
+                    rec[b]["wrong"] += coll.check(bufs, rank, world)
+                reset(coll, bufs, False)
+                api.barrier()
+                t0 = time.perf_counter_ns()
+                for _ in range(n):
+                    coll.run(api, bufs, rank, world)
+                per = (time.perf_counter_ns() - t0) / n / 1e3 * coll.time_scale
+                done[b] += n
+                rec[b]["times_us"].extend([per if active else None] * n)
             except Exception as e:  # noqa: BLE001 - any backend failure is reported, not fatal
                 return f"{type(e).__name__}: {e}"
             return None

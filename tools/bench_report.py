@@ -126,7 +126,7 @@ def format_header(result: dict, order: list[str]) -> str:
     m, ref = result["meta"], result["reference"]
     lines = [f"# pycoll bench: backends {', '.join(order)}  world {m['world_size']}  "
              f"dtype {m['dtype']}  op {m['op']}  iters {m['iters']} (in {m['rounds']} "
-             f"interleaved rounds)  warmup {m['warmup']}",
+             f"interleaved rounds)  warmup {m['warmup']}  timing {m.get('timing', 'each')}",
              "# time: median over iterations of the per-iteration mean over ranks; "
              "GB/s = 1e9 B/s; ratio X/base = time(base)/time(X), > 1: X faster"]
     if ref:

@@ -218,6 +218,35 @@ def test_staleness_bound_is_enforced_for_a_permanently_slow_rank(k_max):
     assert max(ahead1) <= k_max and max(ahead0) <= 0
 
 
+def _lent_buffers(rank, world, delay):
+    import pycoll
+
+    par = pycoll.partial.PartialAllReduce(torch.zeros(5, dtype=torch.float64), mode="solo",
+                                          max_staleness=2, activation_delay=delay)
+    total = torch.zeros(5, dtype=torch.float64)
+    for step in range(20):
+        buf = par.buffer()                  # filled in place, deposited without a copy
+        buf.fill_(rank + step)
+        res = par.all_reduce(buf)
+        total += res.tensor
+        par.recycle(res)                    # its buffer serves a later deposit
+    for res in par.flush():
+        total += res.tensor
+    with pytest.raises(ValueError, match="not a round result"):
+        par.recycle(pycoll.partial.RoundResult(torch.zeros(5, dtype=torch.float64), 0, None))
+    sent = par._act.sent
+    par.close()
+    return total, sent
+
+
+def test_lent_buffers_and_recycling_conserve_and_balanced_rounds_send_no_activation():
+    out = run_ranks(_lent_buffers, 2, 5.0, backend="pycoll", timeout=30)
+    expected = sum(r + s for r in range(2) for s in range(20))
+    for total, sent in out:
+        assert total.tolist() == [float(expected)] * 5
+        assert sent == 0        # every round completed within the grace period: no message
+
+
 def _errors(rank, world):
     import pycoll
 

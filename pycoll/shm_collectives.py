@@ -6,12 +6,11 @@ Every collective runs in rounds over the double-buffered staging slots of an ``S
 k only between round k's first barrier and its own next barrier, and writes a slot half
 only after a barrier of the round before; so no write can overtake a peer's read.
 
-- all_reduce, small (<= ONE_SHOT_BYTES), or two ranks within one slot: each rank writes its
-  input, one barrier, each rank reduces all inputs in rank order (bitwise the same result
-  everywhere). 1 barrier a round.
-- all_reduce, two ranks, more than a slot: each stages the half its peer reduces, reduces
-  its own half into its output, publishes it, copies the peer's half out (4.5 bytes moved
-  per byte against 5; 2 barriers a round; measured 2-16% faster at 1-64 MiB).
+- all_reduce, small (<= ONE_SHOT_BYTES): each rank writes its input, one barrier, each rank
+  reduces all inputs in rank order (bitwise the same result everywhere). 1 barrier a round.
+- all_reduce, two ranks, larger: each stages the half its peer reduces, reduces its own half
+  into its output, publishes it, copies the peer's half out: half the reduction work of the
+  one-shot form and 4.5 bytes moved per byte against 5, for a second barrier a round.
 - all_reduce, large: write input, barrier, rank r reduces slice r of every input in place
   in its own slot (an in-memory reduce-scatter), barrier, every rank copies all reduced
   slices out (an in-memory all-gather). 2 barriers a round; each rank reads ~2n bytes.
@@ -141,12 +140,11 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
             for q in range(2, L):
                 red.ufunc(tn, slots[q], out=tn)
         return
-    if L == 2 and n * dt.itemsize > arena.slot_bytes:
+    if L == 2 and n * dt.itemsize > ONE_SHOT_BYTES:
         return _all_reduce_pair(arena, t, red, barrier)
     if L <= 2 or n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):
-        # One-shot rounds: every rank reduces the whole round, in rank order, straight into
-        # its output. With two ranks this moves no more bytes than reduce-scatter +
-        # all-gather and needs one barrier a round instead of two.
+        # One-shot rounds (small messages without a numpy kernel, or one rank): every rank
+        # reduces the whole round, in rank order, straight into its output; one barrier.
         for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
             p = arena.next_parity()
             slots = [arena.slot(q, p, dt)[:c] for q in range(L)]

@@ -314,6 +314,37 @@ def test_ddp_partial_sync_with_stragglers_keeps_replicas_identical():
     assert torch.equal(out[0][0], out[1][0]) and sum(out[0][2]) == 40
 
 
+def _ddp_many_buckets(rank, world, sync):
+    import ddp
+    from tests.test_ddp_support import mlp
+
+    torch.manual_seed(0)
+    # tiny buckets: several per step, rebuilt after the first step (a new layout); every
+    # parameter's average must come back to that parameter, from any bucket
+    model = ddp.DistributedDataParallel(mlp(), sync=sync, max_staleness=0, bucket_cap_mb=0.0005,
+                                        first_bucket_cap_mb=0.0002)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(100 + rank)
+    for _ in range(6):
+        x = torch.randn(16, 6, generator=gen)
+        loss = (model(x) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    buckets = len(model.reducer.buckets) if hasattr(model.reducer, "buckets") else None
+    if model.partial is not None:
+        model.partial.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), buckets
+
+
+def test_ddp_partial_sync_with_many_rebuilt_buckets_equals_full_sync_at_zero_staleness():
+    full = run_ranks(_ddp_many_buckets, 2, "full", backend="pycoll", timeout=40)
+    solo = run_ranks(_ddp_many_buckets, 2, "solo", backend="pycoll", timeout=40)
+    assert full[0][1] is None or full[0][1] > 1                 # really several buckets
+    for (pf, _), (ps, _) in zip(full, solo):                    # K = 0: synchronous SGD
+        assert torch.allclose(pf, ps, rtol=1e-5, atol=1e-6), (pf - ps).abs().max()
+
+
 def _ddp_refuses(rank, world):
     import ddp
     from tests.test_ddp_support import batchnorm, mlp

@@ -31,12 +31,27 @@ class Activations:
         self.sent = 0             # activation messages sent (observability, tests)
         self._inbox: tuple | None = None
         self._sends: list[tuple] = []
+        self._waited: tuple = (None, None)   # (work, error) of a receive a thread waited for
 
     def post(self) -> None:
         buf = torch.empty(2, dtype=torch.int64)
         work = dist.irecv(buf, src=None, group=self.group, tag=TAG)
         self._inbox = (work, buf)
-        work.get_future().add_done_callback(self._arrived)
+        try:
+            fut = work.get_future()
+        except RuntimeError:  # gloo's receives have no future: a thread waits instead
+            threading.Thread(target=self._wait, args=(work,), name="pycoll-partial-recv",
+                             daemon=True).start()
+            return
+        fut.add_done_callback(self._arrived)
+
+    def _wait(self, work) -> None:
+        try:
+            work.wait()
+            self._waited = (work, None)
+        except Exception as exc:  # noqa: BLE001 - take() re-raises it on the progress thread
+            self._waited = (work, exc)
+        self._arrived(None)
 
     def _arrived(self, _fut) -> None:
         # Runs on the backend's thread: only flag and notify, never call into the backend.
@@ -48,7 +63,11 @@ class Activations:
         """The round of the message that arrived (call with ``ready`` seen and cleared,
         outside the lock: it posts the next receive)."""
         work, buf = self._inbox
-        work.wait()  # already complete: re-raises a failed receive
+        waited, exc = self._waited
+        if waited is not work:
+            work.wait()  # already complete: re-raises a failed receive
+        elif exc is not None:
+            raise exc    # (a second wait on a gloo receive would block: not again)
         k, _sender = buf.tolist()
         self.post()
         return k

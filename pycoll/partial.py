@@ -29,7 +29,6 @@ import threading
 import time
 from collections import deque
 from datetime import timedelta
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -39,50 +38,13 @@ from . import slow_wait
 from .errors import CommTimeoutError, PycollError
 from .partial_activation import Activations
 from .partial_rounds import MODES, NF, Contribution, Ledger, RoundInfo, majority_initiator
+from .partial_work import PartialWork, RoundResult
 
 __all__ = ["PartialAllReduce", "PartialWork", "RoundResult", "RoundInfo", "majority_initiator", "MODES"]
 
 # Metadata shares the data's buffer: dtypes that hold small integers exactly (< 2**24).
 DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 DEFAULT_TIMEOUT = 1800.0
-
-
-class RoundResult(NamedTuple):
-    tensor: torch.Tensor   # SUM of the deposits in the round, shaped like the template
-    count: int             # how many deposits (over all ranks) it holds
-    info: RoundInfo
-
-    def mean(self) -> torch.Tensor:
-        """``tensor / count``; zeros for a round with no deposit (only after a flush)."""
-        return self.tensor / self.count if self.count else torch.zeros_like(self.tensor)
-
-
-class PartialWork:
-    """The handle of one deposit: resolves to the result of the round paired with it."""
-
-    def __init__(self, owner: "PartialAllReduce", round_: int) -> None:
-        self._owner, self.round = owner, round_
-        self._result: RoundResult | None = None
-
-    def is_completed(self) -> bool:
-        return self._result is not None or self._owner._done > self.round
-
-    def result(self, timeout: float | None = None) -> RoundResult:
-        if self._result is None:
-            self._result = self._owner._claim(self.round, timeout)
-        return self._result
-
-    def wait(self, timeout: float | None = None) -> torch.Tensor:
-        """Block until round ``self.round`` is done; its SUM (``count`` deposits in it)."""
-        return self.result(timeout).tensor
-
-    @property
-    def count(self) -> int:
-        return self.result().count
-
-    @property
-    def info(self) -> RoundInfo:
-        return self.result().info
 
 
 class PartialAllReduce:

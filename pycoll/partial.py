@@ -16,15 +16,17 @@ Round k starts when its *initiator* arrives (solo: the first rank to deposit its
 tensor; majority: ``majority_initiator(seed, k)``), which sends an activation (p2p, round
 number in the payload, one fixed tag: a posted receive cannot be cancelled, so each rank
 keeps exactly one any-source receive posted) unless the round's all-reduce completes within
-``activation_delay`` (every rank was on its way: no message needed). Every rank then contributes its pending
-deposits of index <= k; later ones go to a later round: never lost, never counted twice.
-A background thread serves rounds while the user's thread computes; a user thread that
-waits runs them itself. Bookkeeping and the staleness bound: ``partial_rounds.py``;
-semantics in full: docs/partial.md. Public torch.distributed API only: any transport.
+``activation_delay`` (every rank was on its way: no message needed). Every rank then
+contributes its pending deposits of index <= k; later ones go to a later round: never
+lost, never counted twice. A background thread serves rounds while the user's thread
+computes; a user thread that waits runs them itself. Bookkeeping and the staleness bound:
+``partial_rounds.py``; semantics in full: docs/partial.md. Public torch.distributed API
+only: any transport.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -147,8 +149,7 @@ class PartialAllReduce:
             if self._flushing:
                 raise RuntimeError("PartialAllReduce.submit: a flush is in progress")
             ptr = tensor.data_ptr()
-            lent = self._lent.get(ptr)
-            if lent is not None and lent.data_ptr() == ptr and tensor.is_contiguous():
+            if ptr in self._lent and tensor.is_contiguous():
                 buf, copy = self._lent.pop(ptr), False     # filled in place: from buffer()
             else:
                 buf = self._free.pop() if self._free else torch.empty(self._slot, dtype=self.dtype)
@@ -362,17 +363,18 @@ class PartialAllReduce:
         from now: when every rank arrives within that grace period (balanced steps), no
         message is sent. On pycoll the all-reduce itself sends them (it runs in this thread:
         ``pycoll.slow_wait``); on other backends the progress thread keeps the time."""
-        if self.world > 1 and (from_progress_thread or self.activation_delay <= 0):
-            self._act.send(k)
-        elif self.world > 1 and self._inline:
-            with slow_wait.on_slow(self.activation_delay, lambda: self._act.send(k)):
-                dist.all_reduce(buf, group=self._pg)
-            return
-        elif self.world > 1:
-            with self._cv:
-                self._timer = (k, time.monotonic() + self.activation_delay)
-                self._wake.notify()
-        dist.all_reduce(buf, group=self._pg)
+        late_hook = contextlib.nullcontext()
+        if self.world > 1:
+            if from_progress_thread or self.activation_delay <= 0:
+                self._act.send(k)
+            elif self._inline:
+                late_hook = slow_wait.on_slow(self.activation_delay, lambda: self._act.send(k))
+            else:
+                with self._cv:
+                    self._timer = (k, time.monotonic() + self.activation_delay)
+                    self._wake.notify()
+        with late_hook:
+            dist.all_reduce(buf, group=self._pg)
 
     def _trigger(self, k: int) -> str | None:
         if k in self._activated:

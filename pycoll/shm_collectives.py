@@ -181,7 +181,8 @@ def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) 
     for off, c in _rounds(t.numel(), arena.slot_bytes // dt.itemsize):
         p = arena.next_parity()
         mine, peer = arena.slot(me, p, dt)[:c], arena.slot(1 - me, p, dt)[:c]
-        (lo_m, n_m), (lo_p, n_p) = chunks(c, 2)[me], chunks(c, 2)[1 - me]
+        halves = chunks(c, 2)
+        (lo_m, n_m), (lo_p, n_p) = halves[me], halves[1 - me]
         mine[lo_p:lo_p + n_p].copy_(t[off + lo_p:off + lo_p + n_p])
         barrier()
         out = t[off + lo_m:off + lo_m + n_m]

@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", "-w", type=int, default=5)
     p.add_argument("--timing", choices=("each", "loop"), default="each",
                    help="each: reset the input and time every op alone (default); loop: time "
-                        "back-to-back ops per round, as nccl-tests and OSU do (the first op checked)")
+                        "back-to-back ops per round, as nccl-tests and OSU do (one untimed op checked first)")
     p.add_argument("--rounds", type=int, default=4,
                    help="interleaving: the iterations run in this many A B A B ... rounds")
     p.add_argument("--dtype", "-d", choices=list(DTYPES), default="float32")

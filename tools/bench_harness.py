@@ -115,8 +115,9 @@ def run_sweep(cfg: dict, rank: int, world: int, apis: dict, agree: Callable[[lis
             return None
 
         def loop_chunk(b: str, n: int) -> str | None:
-            """nccl-tests style: ``n`` back-to-back ops in one timer (after one checked op and
-            a barrier), each credited with the mean; no reset between them."""
+            """nccl-tests style: a reset, a barrier, then ``n`` back-to-back ops in one timer,
+            each credited with the mean. Only the backend's first round starts with one
+            untimed, checked op: later ops keep summing into their input."""
             try:
                 api = apis[b]
                 if coll.check is not None and done[b] == 0:

@@ -30,6 +30,7 @@ on every rank, never a hang or a wrong result.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 
@@ -41,6 +42,7 @@ from .reduce_ops import Reduction
 from .transport.shm import ShmArena
 
 ONE_SHOT_BYTES = 64 << 10
+_NO_ERRSTATE = contextlib.nullcontext()
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
        "all_to_all", "barrier")
 DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -132,13 +134,15 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
         # slot half that a slower peer is still reading.)
         p = arena.next_parity()
         tn = t.numpy()
-        slots = [arena.numpy_slot(q, p, tn.dtype)[:n] for q in range(L)]
+        slots = [s[:n] for s in arena.numpy_slots(p, tn.dtype)]
         np.copyto(slots[me], tn)
         barrier()
         if L > 1:
-            red.ufunc(slots[0], slots[1], out=tn)
-            for q in range(2, L):
-                red.ufunc(tn, slots[q], out=tn)
+            # torch overflows to inf silently, as gloo does; numpy would warn.
+            with np.errstate(all="ignore") if tn.dtype.kind in "fc" else _NO_ERRSTATE:
+                red.ufunc(slots[0], slots[1], out=tn)
+                for q in range(2, L):
+                    red.ufunc(tn, slots[q], out=tn)
         return
     if L == 2 and n * dt.itemsize > ONE_SHOT_BYTES:
         return _all_reduce_pair(arena, t, red, barrier)

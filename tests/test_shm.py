@@ -208,6 +208,30 @@ def test_many_rounds_match_gloo(world):
     assert all(all(r) for r in res), res
 
 
+def _overflow(rank, world):
+    """Float overflow and 0/0 in a small all_reduce: inf and nan as gloo gives, no warning."""
+    import warnings
+    gloo = dist.new_group(backend="gloo")
+    x = torch.tensor([3e38, -3e38, 1.0, 0.0], dtype=torch.float32)
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # a numpy RuntimeWarning would fail the call
+        for op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.AVG):
+            mine, ref = x.clone(), x.clone()
+            dist.all_reduce(mine, op=op)
+            dist.all_reduce(ref, op=dist.ReduceOp.SUM if op == dist.ReduceOp.AVG else op, group=gloo)
+            if op == dist.ReduceOp.AVG:
+                ref /= world
+            out.append(torch.equal(mine.isnan(), ref.isnan()) and
+                       torch.equal(mine.nan_to_num(), ref.nan_to_num()))
+    return out
+
+
+def test_small_all_reduce_overflows_quietly_as_gloo():
+    res = run_ranks(_overflow, 3, backend="pycoll", env={"PYCOLL_TRANSPORT": "shm"})
+    assert res == [[True] * 3] * 3, res
+
+
 def _rss_growth(rank, world, gib):
     t = torch.ones(int(gib * (1 << 30)) // 4)
     dist.all_reduce(torch.ones(8 << 20))  # warm: scratch buffers and every shared slot touched

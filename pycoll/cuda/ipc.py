@@ -310,9 +310,9 @@ class IpcPath:
     def _allmax(self, value: int) -> int:
         """The largest ``value`` of all ranks, through the arena's host slots (one barrier)."""
         par, i64 = self.arena.next_parity(), np.dtype(np.int64)
-        self.arena.numpy_slot(self.rank, par, i64)[0] = value
+        self.arena.numpy_slots(par, i64)[self.rank][0] = value
         self._sync()
-        return max(int(self.arena.numpy_slot(q, par, i64)[0]) for q in range(self.world))
+        return max(int(s[0]) for s in self.arena.numpy_slots(par, i64))
 
     def barrier(self) -> None:
         self._device_sync()

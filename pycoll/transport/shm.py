@@ -22,6 +22,7 @@ import ctypes
 import mmap
 import os
 import secrets
+import struct
 import time
 
 import numpy as np
@@ -82,6 +83,9 @@ class ShmArena:
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         self._ctrl = np.frombuffer(self.mm, dtype=np.int32, count=self.ctrl_bytes // 4)
         self._sig = np.frombuffer(self.mm, dtype=np.int64, count=self.ctrl_bytes // 8)
+        # Scalar reads and writes of control words through a memoryview cost a third of
+        # numpy's: they sit on every barrier's path.
+        self._words = memoryview(self.mm)[:self.ctrl_bytes].cast("i")
         self._slots = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.ctrl_bytes,
                                        count=2 * size * self.slot_bytes)
         self.epoch = 0
@@ -127,8 +131,7 @@ class ShmArena:
         """
         if new_op:
             self.ops += 1
-        base = self._sig_base(self.me)
-        self._sig[base:base + len(words)] = words
+        struct.pack_into(f"{len(words)}q", self.mm, 8 * self._sig_base(self.me), *words)
 
     def _sig_base(self, rank: int) -> int:
         return rank * LINE // 8 + 8 + (self.ops & 1) * SIG_WORDS
@@ -140,26 +143,34 @@ class ShmArena:
     def check_signatures(self, words: tuple[int, ...], describe) -> None:
         """After a sync: raise MismatchError naming every local rank that published other words."""
         n = len(words)
-        lines = self._sig.reshape(-1, LINE // 8)[:self.size]
-        start = self._sig_base(0)
-        block = lines[:, start:start + n]
-        if (block == block[self.me]).all():  # one vectorised compare on the common path
+        mm, nbytes, start = self.mm, 8 * n, 8 * self._sig_base(0)
+        mine = mm[start + self.me * LINE:start + self.me * LINE + nbytes]
+        for r in range(self.size):    # the common path: one bytes compare per rank
+            at = start + r * LINE
+            if mm[at:at + nbytes] != mine:
+                break
+        else:
             return
+        lines = self._sig.reshape(-1, LINE // 8)[:self.size]
+        block = lines[:, start // 8:start // 8 + n]
         others = {self.ranks[r]: f"rank {self.ranks[r]} called {describe(tuple(int(x) for x in row))}"
                   for r, row in enumerate(block) if tuple(int(x) for x in row) != words}
         raise MismatchError(f"collective mismatch: rank {self.ranks[self.me]} called {describe(words)} "
                             f"but " + ", ".join(others.values()), rank=self.ranks[self.me],
                             peer=next(iter(others)))
 
-    def numpy_slot(self, rank: int, parity: int, dtype: np.dtype) -> np.ndarray:
-        """The staging slot as a numpy array (small-message path: numpy calls cost less)."""
-        key = (rank, parity, dtype)
-        view = self._typed.get(key)
-        if view is None:
-            start = self.ctrl_bytes + (2 * rank + parity) * self.slot_bytes
-            view = np.frombuffer(self.mm, dtype=dtype, count=self.slot_bytes // dtype.itemsize, offset=start)
-            self._typed[key] = view
-        return view
+    def numpy_slots(self, parity: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every local rank's staging slot for ``parity`` as numpy arrays, in rank order
+        (the small-message path: numpy calls cost less than torch's)."""
+        key = (parity, dtype)
+        views = self._typed.get(key)
+        if views is None:
+            count = self.slot_bytes // dtype.itemsize
+            views = [np.frombuffer(self.mm, dtype=dtype, count=count,
+                                   offset=self.ctrl_bytes + (2 * rank + parity) * self.slot_bytes)
+                     for rank in range(self.size)]
+            self._typed[key] = views
+        return views
 
     # -- sync ----------------------------------------------------------------------------
     def sync(self, deadline: float, what: str) -> None:
@@ -168,23 +179,23 @@ class ShmArena:
         self._unsynced_round = False
         target = self.epoch
         me_word = self.me * LINE // 4
-        if self._ctrl[me_word + 1]:
+        ctrl = self._words
+        if ctrl[me_word + 1]:
             raise PeerClosedError(f"{what}: shared-memory group was aborted", rank=self.ranks[self.me])
-        self._ctrl[me_word] = target
+        ctrl[me_word] = target
         _futex_wake(self._base + me_word * 4)
-        ctrl = self._ctrl
         for r in range(self.size):
             if r == self.me:
                 continue
             word = r * LINE // 4
             spins = 0
             while True:
-                v = int(ctrl[word])
+                v = ctrl[word]
                 if v >= target:
                     break
                 # Re-read the epoch after seeing the abort word: a peer may pass this barrier
                 # and then leave between the two reads, and that is no failure of ours.
-                if ctrl[word + 1] and int(ctrl[word]) < target:
+                if ctrl[word + 1] and ctrl[word] < target:
                     raise PeerClosedError(f"{what}: rank {self.ranks[r]} left the group: {self._reason(r)}",
                                           rank=self.ranks[self.me], peer=self.ranks[r])
                 if spins < self.spin:
@@ -198,7 +209,7 @@ class ShmArena:
                                            f"{v}, this rank at {target})",
                                            rank=self.ranks[self.me], peer=self.ranks[r])
                 _futex_wait(self._base + word * 4, v, min(left, WAIT_SLICE, slow_wait.due(now)))
-                if self.pids is not None and int(ctrl[word]) == v and not _alive(self.pids[r]):
+                if self.pids is not None and ctrl[word] == v and not _alive(self.pids[r]):
                     raise PeerClosedError(f"{what}: rank {self.ranks[r]} (pid {self.pids[r]}) died",
                                           rank=self.ranks[self.me], peer=self.ranks[r])
 
@@ -228,7 +239,8 @@ class ShmArena:
         self.abort("destroyed its process group")
         self.closed = True
         # The numpy/torch/ctypes views export the mmap's buffer; drop them before closing.
-        del self._ctrl, self._sig, self._slots
+        self._words.release()
+        del self._ctrl, self._sig, self._slots, self._words
         self._typed.clear()
         try:
             self.mm.close()

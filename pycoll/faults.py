@@ -99,11 +99,10 @@ def wrap(transport: Transport, rank: int, env: str | None = None) -> Transport:
     return FaultyTransport(transport, mine) if mine else transport
 
 
-def before_op(transport: Transport, op: str, seq: int) -> None:
-    """The communicator's hook before each operation; a no-op for unwrapped transports."""
-    hook = getattr(transport, "before_op", None)
-    if hook is not None:
-        hook(op, seq)
+def before_op_hook(transport: Transport):
+    """The communicator's hook before each operation, ``hook(op, seq)``; None for an
+    unwrapped transport (looked up once: it sits on every operation's path)."""
+    return getattr(transport, "before_op", None)
 
 
 class FaultyTransport(Transport):

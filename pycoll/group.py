@@ -75,6 +75,7 @@ class Communicator:
         coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
         self.tcp = TcpTransport(rank, world, coll_socks)
         self.transport = faults.wrap(self.tcp, rank)  # PYCOLL_FAULT, docs/faults.md
+        self._before_op = faults.before_op_hook(self.transport)
         self.arena: ShmArena | None = None
         self.leaders: list[int] = []
         self.leader_executor: Executor | None = None
@@ -123,10 +124,21 @@ class Communicator:
             work = Work(op, self._seq, outputs, driver=self._drive)
             work.op_timeout = timeout
             self._seq += 1
-            self._queue.append((work, task))
-            if not inline:
-                self._cv.notify_all()
-        if inline:
+            # The common blocking call with nothing queued before it runs at once, here:
+            # the same as _drive would do, without its queue round trip.
+            express = inline and not self._running and not self._queue
+            if express:
+                self._running = True
+            else:
+                self._queue.append((work, task))
+                if not inline:
+                    self._cv.notify_all()
+        if express:
+            try:
+                self._run(work, task)
+            finally:
+                self._release()
+        elif inline:
             self._drive(work)
         return work
 
@@ -149,21 +161,26 @@ class Communicator:
             try:
                 self._run(work, task)
             finally:
-                with self._cv:
-                    self._running = False
-                    # Wake only a thread that waits for this one (a wake-up per op would
-                    # cost the synchronous path a context switch of the idle worker).
-                    if self._waiting or self._queue:
-                        self._cv.notify_all()
+                self._release()
             if work is until:
                 return
+
+    def _release(self) -> None:
+        """The running op is done: let the next driver in."""
+        with self._cv:
+            self._running = False
+            # Wake only a thread that waits for this one (a wake-up per op would cost the
+            # synchronous path a context switch of the idle worker).
+            if self._waiting or self._queue:
+                self._cv.notify_all()
 
     def _run(self, work: Work, task: Task) -> None:
         if self.error is not None:
             work.complete(PycollError(f"{work.op} seq {work.seq}: process group is unusable after "
                                       f"an earlier error: {self.error}"))
             return
-        faults.before_op(self.transport, work.op, work.seq)
+        if self._before_op is not None:
+            self._before_op(work.op, work.seq)
         t0 = time.monotonic()
         self.current = (work.op, work.seq, t0)
         deadline = t0 + (work.op_timeout or self.timeout)

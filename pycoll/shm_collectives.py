@@ -30,7 +30,6 @@ on every rank, never a hang or a wrong result.
 
 from __future__ import annotations
 
-import contextlib
 import time
 import zlib
 
@@ -38,11 +37,10 @@ import numpy as np
 import torch
 
 from .algorithms.schedule import chunks, displacements
-from .reduce_ops import Reduction
+from .reduce_ops import Reduction, quiet_floats_begin, quiet_floats_end
 from .transport.shm import ShmArena
 
 ONE_SHOT_BYTES = 64 << 10
-_NO_ERRSTATE = contextlib.nullcontext()
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
        "all_to_all", "barrier")
 DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
@@ -138,11 +136,14 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
         np.copyto(slots[me], tn)
         barrier()
         if L > 1:
-            # torch overflows to inf silently, as gloo does; numpy would warn.
-            with np.errstate(all="ignore") if tn.dtype.kind in "fc" else _NO_ERRSTATE:
+            token = quiet_floats_begin() if tn.dtype.kind in "fc" else None
+            try:
                 red.ufunc(slots[0], slots[1], out=tn)
                 for q in range(2, L):
                     red.ufunc(tn, slots[q], out=tn)
+            finally:
+                if token is not None:
+                    quiet_floats_end(token)
         return
     if L == 2 and n * dt.itemsize > ONE_SHOT_BYTES:
         return _all_reduce_pair(arena, t, red, barrier)

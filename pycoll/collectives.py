@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import shm_collectives as shm
+from .kernels import copy
 from .reduce_ops import Reduction
 from .wire import Signature
 
@@ -96,7 +97,7 @@ def reduce(comm, t: torch.Tensor, root: int, red: Reduction, seq: int, deadline:
         comm.run_schedule("reduce", t.nbytes, (t.numel(), root),
                           {"in": src, "out": src if comm.rank == root else t}, sig, red, deadline)
         if comm.rank == root and src is not t:
-            t.copy_(src)
+            copy(t, src)
     if comm.rank == root:
         red.finish(t)
 

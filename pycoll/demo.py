@@ -120,6 +120,7 @@ def _rank_main(rank: int, world: int, port: int, steps: int, queue) -> None:
     import pycoll  # noqa: F401  registers the backend
 
     torch.manual_seed(0)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the cores are shared, as torchrun assumes
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
                             timeout=timedelta(seconds=60))

@@ -15,6 +15,7 @@ import time
 import torch
 
 from .algorithms.schedule import Copy, Recv, Reduce, Schedule, Send
+from .kernels import copy
 from .reduce_ops import Reduction
 from .transport.base import InFrame, OutFrame, Transport
 from .wire import DATA, Header, Signature
@@ -110,9 +111,9 @@ class Executor:
             src = bufs[a.src][a.src_start:a.src_start + a.count]
             dst = bufs[a.dst][a.dst_start:a.dst_start + a.count]
             if isinstance(a, Copy):
-                dst.copy_(src)
+                copy(dst, src)
             else:
-                reduction.kernel(dst, src)
+                reduction.reduce(dst, src)
 
 
 class _LazyViews(dict):
@@ -148,5 +149,5 @@ def _segments(start: int, count: int, seg_elems: int):
 def _reducer(reduction: Reduction, buf: torch.Tensor, lo: int, n: int, scratch: torch.Tensor,
              dtype: torch.dtype):
     def done() -> None:
-        reduction.kernel(buf[lo:lo + n], scratch[:n * dtype.itemsize].view(dtype))
+        reduction.reduce(buf[lo:lo + n], scratch[:n * dtype.itemsize].view(dtype))
     return done

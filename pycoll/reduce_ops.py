@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from . import kernels
+
 INTEGER = {torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64}
 FLOATING = {torch.float16, torch.bfloat16, torch.float32, torch.float64}
 COMPLEX = {torch.complex64, torch.complex128}
@@ -100,23 +102,39 @@ class Reduction:
     factor: float | None = None  # PREMUL_SUM factor applied to local input
     divisor: int = 1             # AVG: divide the result by the world size
     ufunc: Callable | None = None  # the same op as a numpy ufunc (small messages), if numpy has the dtype
+    numpy_loops: bool = False      # large tensors reduce in numpy (pycoll/kernels.py says why)
+
+    def reduce(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """``dst = dst op src`` on flat tensors, off torch's intra-op pool (pycoll/kernels.py)."""
+        self.combine(dst, src, dst)
 
     def combine(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         """``out = a op b`` in one pass (saves the copy of ``out = a; out op= b``)."""
-        _OUT_OF_PLACE[self.kernel](a, b, out=out)
+        if out.numel() < kernels.GRAIN:
+            _OUT_OF_PLACE[self.kernel](a, b, out=out)
+        elif self.numpy_loops:
+            o = kernels.as_numpy(out)
+            token = quiet_floats_begin()
+            try:
+                self.ufunc(kernels.as_numpy(a), kernels.as_numpy(b), out=o)
+            finally:
+                quiet_floats_end(token)
+        else:
+            op = _OUT_OF_PLACE[self.kernel]
+            kernels.sliced(lambda x, y, z: op(x, y, out=z), a, b, out)
 
     def prepare(self, t: torch.Tensor) -> None:
         """Scale a working copy of the local contribution in place (PREMUL_SUM)."""
         if self.factor is not None:
-            t.mul_(self.factor)
+            kernels.sliced(lambda x: x.mul_(self.factor), t)
 
     def finish(self, t: torch.Tensor) -> None:
         """Turn the reduced sum into the op's result in place (AVG)."""
         if self.divisor != 1:
             if t.is_floating_point() or t.is_complex():
-                t.div_(self.divisor)
+                kernels.sliced(lambda x: x.div_(self.divisor), t)
             else:
-                t.copy_(torch.div(t, self.divisor, rounding_mode="trunc"))
+                kernels.sliced(lambda x: x.copy_(torch.div(x, self.divisor, rounding_mode="trunc")), t)
 
 
 def op_name(op) -> str:
@@ -180,4 +198,5 @@ def _make_reduction(op, dtype: torch.dtype, world_size: int) -> Reduction:
     if name == "premul_sum" and factor is None:
         raise ValueError("ReduceOp.PREMUL_SUM needs a factor (torch.distributed._make_nccl_premul_sum)")
     ufunc = None if dtype is torch.bfloat16 else (_NP_BOOL if dtype is torch.bool else _NP)[name]
-    return Reduction(name, table[name], factor, world_size if name == "avg" else 1, ufunc)
+    return Reduction(name, table[name], factor, world_size if name == "avg" else 1, ufunc,
+                     numpy_loops=ufunc is not None and dtype in kernels.NUMPY_LOOPS)

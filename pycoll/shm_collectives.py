@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .algorithms.schedule import chunks, displacements
+from .kernels import copy
 from .reduce_ops import Reduction, quiet_floats_begin, quiet_floats_end
 from .transport.shm import ShmArena
 
@@ -153,28 +154,28 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
         for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
             p = arena.next_parity()
             slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
-            slots[me].copy_(t[off:off + c])
+            copy(slots[me], t[off:off + c])
             barrier()
             if L > 1:
                 out = t[off:off + c]
                 red.combine(slots[0], slots[1], out)
                 for q in range(2, L):
-                    red.kernel(out, slots[q])
+                    red.reduce(out, slots[q])
         return
     for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
         p = arena.next_parity()
         slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
-        slots[me].copy_(t[off:off + c])
+        copy(slots[me], t[off:off + c])
         barrier()
         bounds = chunks(c, L)
         lo, size = bounds[me]
         acc = slots[me][lo:lo + size]
         for q in range(L):
             if q != me:
-                red.kernel(acc, slots[q][lo:lo + size])
+                red.reduce(acc, slots[q][lo:lo + size])
         barrier()
         for q, (lo, size) in enumerate(bounds):
-            t[off + lo:off + lo + size].copy_(slots[q][lo:lo + size])
+            copy(t[off + lo:off + lo + size], slots[q][lo:lo + size])
 
 
 def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) -> None:
@@ -188,7 +189,7 @@ def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) 
         mine, peer = arena.slot(me, p, dt)[:c], arena.slot(1 - me, p, dt)[:c]
         halves = chunks(c, 2)
         (lo_m, n_m), (lo_p, n_p) = halves[me], halves[1 - me]
-        mine[lo_p:lo_p + n_p].copy_(t[off + lo_p:off + lo_p + n_p])
+        copy(mine[lo_p:lo_p + n_p], t[off + lo_p:off + lo_p + n_p])
         barrier()
         out = t[off + lo_m:off + lo_m + n_m]
         theirs = peer[lo_m:lo_m + n_m]
@@ -196,9 +197,9 @@ def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) 
             red.combine(out, theirs, out)
         else:
             red.combine(theirs, out, out)
-        mine[lo_m:lo_m + n_m].copy_(out)
+        copy(mine[lo_m:lo_m + n_m], out)
         barrier()
-        t[off + lo_p:off + lo_p + n_p].copy_(peer[lo_p:lo_p + n_p])
+        copy(t[off + lo_p:off + lo_p + n_p], peer[lo_p:lo_p + n_p])
 
 
 def reduce(arena: ShmArena, src: torch.Tensor, out: torch.Tensor | None, root: int, red: Reduction,
@@ -209,17 +210,17 @@ def reduce(arena: ShmArena, src: torch.Tensor, out: torch.Tensor | None, root: i
     for off, c in _rounds(src.numel(), arena.slot_bytes // dt.itemsize):
         p = arena.next_parity()
         slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
-        slots[me].copy_(src[off:off + c])
+        copy(slots[me], src[off:off + c])
         barrier()
         bounds = chunks(c, L)
         lo, size = bounds[me]
         for q in range(L):
             if q != me:
-                red.kernel(slots[me][lo:lo + size], slots[q][lo:lo + size])
+                red.reduce(slots[me][lo:lo + size], slots[q][lo:lo + size])
         barrier()
         if me == root:
             for q, (lo, size) in enumerate(bounds):
-                out[off + lo:off + lo + size].copy_(slots[q][lo:lo + size])
+                copy(out[off + lo:off + lo + size], slots[q][lo:lo + size])
 
 
 def broadcast(arena: ShmArena, t: torch.Tensor, root: int, words, deadline: float, what: str) -> None:
@@ -228,10 +229,10 @@ def broadcast(arena: ShmArena, t: torch.Tensor, root: int, words, deadline: floa
         p = arena.next_parity()
         slot = arena.slot(root, p, t.dtype)[:c]
         if arena.me == root:
-            slot.copy_(t[off:off + c])
+            copy(slot, t[off:off + c])
         barrier()
         if arena.me != root:
-            t[off:off + c].copy_(slot)
+            copy(t[off:off + c], slot)
 
 
 def all_gather(arena: ShmArena, out: torch.Tensor | None, inp: torch.Tensor, root: int, words,
@@ -241,11 +242,11 @@ def all_gather(arena: ShmArena, out: torch.Tensor | None, inp: torch.Tensor, roo
     barrier = _Barriers(arena, words, deadline, what)
     for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
         p = arena.next_parity()
-        arena.slot(me, p, dt)[:c].copy_(inp[off:off + c])
+        copy(arena.slot(me, p, dt)[:c], inp[off:off + c])
         barrier()
         if root < 0 or me == root:
             for q in range(L):
-                out[q * n + off:q * n + off + c].copy_(arena.slot(q, p, dt)[:c])
+                copy(out[q * n + off:q * n + off + c], arena.slot(q, p, dt)[:c])
 
 
 def scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor | None, root: int, words,
@@ -258,9 +259,9 @@ def scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor | None, root: 
         slot = arena.slot(root, p, dt)
         if me == root:
             for q in range(L):
-                slot[q * region:q * region + c].copy_(inp[q * n + off:q * n + off + c])
+                copy(slot[q * region:q * region + c], inp[q * n + off:q * n + off + c])
         barrier()
-        out[off:off + c].copy_(slot[me * region:me * region + c])
+        copy(out[off:off + c], slot[me * region:me * region + c])
 
 
 def reduce_scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, counts: tuple[int, ...],
@@ -274,13 +275,13 @@ def reduce_scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, counts
         mine = arena.slot(me, p, dt)
         for q in range(L):
             c = max(0, min(region, counts[q] - off))
-            mine[q * region:q * region + c].copy_(inp[disp[q] + off:disp[q] + off + c])
+            copy(mine[q * region:q * region + c], inp[disp[q] + off:disp[q] + off + c])
         barrier()
         c = max(0, min(region, counts[me] - off))
         seg = out[off:off + c]
-        seg.copy_(arena.slot(0, p, dt)[me * region:me * region + c])
+        copy(seg, arena.slot(0, p, dt)[me * region:me * region + c])
         for q in range(1, L):
-            red.kernel(seg, arena.slot(q, p, dt)[me * region:me * region + c])
+            red.reduce(seg, arena.slot(q, p, dt)[me * region:me * region + c])
 
 
 def all_to_all(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, send_counts: tuple[int, ...],
@@ -298,14 +299,14 @@ def all_to_all(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, send_count
         mine = arena.slot(me, p, dt)
         for q in range(L):
             c = max(0, min(region, send_counts[q] - off))
-            mine[q * region:q * region + c].copy_(inp[sdisp[q] + off:sdisp[q] + off + c])
+            copy(mine[q * region:q * region + c], inp[sdisp[q] + off:sdisp[q] + off + c])
         barrier()
         if off == 0:
             gmax = max(arena.peer_word(q, 7) for q in range(L))
             rounds = max(1, -(-gmax // region))
         for q in range(L):
             c = max(0, min(region, recv_counts[q] - off))
-            out[rdisp[q] + off:rdisp[q] + off + c].copy_(arena.slot(q, p, dt)[me * region:me * region + c])
+            copy(out[rdisp[q] + off:rdisp[q] + off + c], arena.slot(q, p, dt)[me * region:me * region + c])
         off += region
 
 

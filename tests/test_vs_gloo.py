@@ -36,6 +36,8 @@ DTYPES = [BOOL, *INTS, *FLOATS, *COMPLEX]
 OPS = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM"]
 PREMUL_FACTOR = 1.5
 BIG = 70_001          # crosses the all_reduce / all_gather / broadcast size thresholds
+# at BIG, reductions leave torch for numpy (or slices): pycoll/kernels.py
+BIG_OPS = ("SUM", "MAX", "BXOR", "AVG", "PREMUL_SUM")
 MAX_REPORT = 40       # mismatches listed per rank
 # "auto" takes shared memory when all ranks share a host (as here); "tcp" forces sockets
 TRANSPORTS = ["tcp", "auto"]
@@ -255,7 +257,7 @@ def _all_reduce_area(ck: Checker, rank: int, world: int, sizes, dtypes, ops, big
         for op in ops:
             if not defined(op, dtype):
                 continue
-            for n in [*sizes, *([BIG] if dtype in big_dtypes and op in ("SUM", "MAX", "PREMUL_SUM") else [])]:
+            for n in [*sizes, *([BIG] if dtype in big_dtypes and op in BIG_OPS else [])]:
                 case += 1
                 what = f"all_reduce {dtype} {op} n={n}"
                 xs = [gen(dtype, n, seed_of(1, case, q), op) for q in range(world)]

@@ -1,0 +1,97 @@
+"""The data path's copies and reductions (pycoll/kernels.py, Reduction.reduce/combine): equal
+to torch's own ops for every dtype and op, below and above the size where they leave torch;
+and the spin rule of shared-memory barriers."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pycoll import kernels
+from pycoll.reduce_ops import make_reduction
+from pycoll.transport.shm import spin_budget
+
+DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
+OPS = {"SUM": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum,
+       "BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}
+SIZES = [0, 1, kernels.GRAIN - 1, kernels.GRAIN, 2 * kernels.GRAIN + 5]
+
+
+def _data(n, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        x = torch.randn(n, generator=g, dtype=torch.float64) * 1e3
+        x[::97] = float("inf")      # overflow, inf and nan go through quietly, as in torch
+        x[::89] = float("nan")
+        return x.to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(info.min, info.max, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_copy_equals_torch_copy(dtype, n):
+    src = _data(n, dtype, 1)
+    dst = torch.nn.Parameter(torch.zeros(n, dtype=dtype), requires_grad=dtype.is_floating_point)
+    with torch.no_grad():    # as on the data path (pycoll/torch_backend.py turns grad off)
+        kernels.copy(dst, src)
+    assert torch.equal(dst.detach().view(torch.uint8), src.view(torch.uint8))
+
+
+@pytest.mark.filterwarnings("error")     # numpy must not warn where torch does not
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_reduce_and_combine_equal_torch(dtype, n):
+    for name, fn in OPS.items():
+        try:
+            red = make_reduction(getattr(dist.ReduceOp, name), dtype, 2)
+        except ValueError:
+            continue       # undefined for the dtype, refused before any communication
+        a, b = _data(n, dtype, 2), _data(n, dtype, 3)
+        if dtype is torch.bool:
+            fn = {"SUM": torch.logical_or, "PRODUCT": torch.logical_and, "MIN": torch.logical_and,
+                  "MAX": torch.logical_or}.get(name, fn)
+        want = fn(a, b)
+        out = torch.empty_like(a)
+        red.combine(a, b, out)
+        got = a.clone()
+        red.reduce(got, b)
+        for res in (out, got):
+            same = torch.equal(res, want) if not (dtype.is_floating_point or dtype.is_complex) else \
+                torch.equal(res.isnan(), want.isnan()) and torch.equal(res.nan_to_num(), want.nan_to_num())
+            assert same, (name, dtype, n)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_avg_and_premul_on_large_tensors(dtype):
+    n = 2 * kernels.GRAIN + 5
+    x = (torch.arange(n) % 1000).to(dtype)
+    red = make_reduction(dist.ReduceOp.AVG, dtype, 3)
+    got = x.clone()
+    red.finish(got)
+    want = x / 3 if dtype.is_floating_point else torch.div(x, 3, rounding_mode="trunc")
+    assert torch.equal(got, want.to(dtype))
+    if dtype.is_floating_point:
+        red = make_reduction(dist._make_nccl_premul_sum(1.5), dtype, 3)
+        got = x.clone()
+        red.prepare(got)
+        assert torch.equal(got, x * 1.5)
+
+
+def test_spin_only_where_every_rank_and_thread_has_a_core():
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert spin_budget(1) > 0
+        assert spin_budget(cores + 1) == 0
+        torch.set_num_threads(cores)
+        assert spin_budget(2) == 0            # 2 ranks x all cores' threads each
+    finally:
+        torch.set_num_threads(threads)

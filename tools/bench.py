@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
            "timing": args.timing, "timeout": args.timeout, "progress": not args.no_progress,
            "torch_backends": torch_backends}
 
-    reference = bench_ref.measure(args.ref_seconds)  # before the ranks: nothing competes
+    reference = bench_ref.measure(args.ref_seconds, args.world_size)  # before the ranks: nothing competes
     docs = []
     with tempfile.TemporaryDirectory(prefix="pycoll-bench-") as tmp:
         if torch_backends:

@@ -7,10 +7,12 @@ about ``seconds``; they run in the launcher before the ranks start, so nothing c
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import socket
 import threading
 import time
 
+import numpy as np
 import torch
 
 _CHUNK = 4 << 20  # big enough that per-call Python overhead is noise
@@ -66,7 +68,8 @@ def tcp_loopback(seconds: float, both_ways: bool) -> float:
 
 
 def memcpy(seconds: float, nbytes: int = 64 << 20) -> float:
-    """Bytes/s of torch copy_ between two large, page-aligned buffers (counted once)."""
+    """Bytes/s of torch copy_ between two large, page-aligned buffers (counted once), on
+    torch's intra-op threads: the machine's copy rate from one process."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch: page faults are not memory bandwidth
@@ -79,13 +82,57 @@ def memcpy(seconds: float, nbytes: int = 64 << 20) -> float:
             return n * nbytes / elapsed
 
 
-def measure(seconds: float) -> dict:
+def _copy_rate(seconds: float, nbytes: int, start, rates) -> None:
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    start.wait()
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        np.copyto(dst, src)
+        n += 1
+    rates.put(n * nbytes / (time.perf_counter() - t0))
+
+
+def memcpy_per_rank(seconds: float, procs: int, nbytes: int = 64 << 20) -> float:
+    """Bytes/s that each of ``procs`` single-threaded processes copies while all copy at once:
+    what one rank of a one-host collective can move (the ranks run on one thread each, as
+    under torchrun, and all at the same time)."""
+    ctx = mp.get_context("fork")    # the children run numpy only: no torch thread pool to inherit
+    start, rates = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_copy_rate, args=(seconds, nbytes, start, rates)) for _ in range(procs)]
+    for w in workers:
+        w.start()
+    got = [rates.get(timeout=seconds + 60) for _ in workers]
+    for w in workers:
+        w.join()
+    return min(got)
+
+
+def all_reduce_bound(per_rank_copy: float, world: int) -> float:
+    """busbw bound of a one-host all_reduce from the per-rank copy rate (docs/performance.md).
+
+    Least memory traffic of any shared-memory all_reduce, per rank, for n bytes: read all P
+    contributions to its 1/P slice (n), write that slice (n/P), read the other P-1 reduced
+    slices and write them into its output (2 (P-1)/P n): (2 + (P-1)/P) n bytes, which is
+    (2 + (P-1)/P) / 2 copies of n bytes; so algbw <= copy rate / that, busbw = algbw 2(P-1)/P.
+    """
+    if world < 2:
+        return float("inf")
+    copies = (2 + (world - 1) / world) / 2
+    return per_rank_copy / copies * 2 * (world - 1) / world
+
+
+def measure(seconds: float, world: int = 2) -> dict:
     """All reference figures in GB/s (1e9 bytes/s, as nccl-tests). Empty when seconds <= 0."""
     if seconds <= 0:
         return {}
+    per_rank = memcpy_per_rank(seconds, world) / 1e9
     return {
         "tcp_loopback_one_way_GBps": tcp_loopback(seconds, both_ways=False) / 1e9,
         "tcp_loopback_each_way_bidir_GBps": tcp_loopback(seconds, both_ways=True) / 1e9,
         "memcpy_GBps": memcpy(seconds) / 1e9,
+        "memcpy_per_rank_GBps": per_rank,
+        "all_reduce_shm_bound_busbw_GBps": all_reduce_bound(per_rank, world),
         "seconds_each": seconds,
     }

@@ -133,6 +133,11 @@ def format_header(result: dict, order: list[str]) -> str:
         lines.append(f"# reference, this run: loopback TCP {ref['tcp_loopback_one_way_GBps']:.2f}"
                      f" GB/s one way, {ref['tcp_loopback_each_way_bidir_GBps']:.2f} GB/s each way"
                      f" both ways at once; memcpy {ref['memcpy_GBps']:.2f} GB/s (64 MiB copy_)")
+        if "memcpy_per_rank_GBps" in ref:
+            lines.append(f"# reference, this run: {ref['memcpy_per_rank_GBps']:.2f} GB/s copied by each "
+                         f"of {m['world_size']} one-thread processes at once; one-host all_reduce "
+                         f"busbw bound {ref['all_reduce_shm_bound_busbw_GBps']:.2f} GB/s "
+                         f"(least-traffic model, docs/performance.md)")
     for b, text in result["info"].items():
         lines.append(f"# {b}: {text}")
     for b, text in result["notes"].items():

@@ -75,49 +75,82 @@ def accuracy(model: nn.Module, x, y) -> float:
 
 
 # ---- rank side ------------------------------------------------------------------------
-def train_once(rank: int, world: int, mode: str, imbalance: bool, seed: int, o: dict, data) -> dict:
-    from ddp import DistributedDataParallel
+class Run:
+    """One training run (a mode, a seed) on this rank; ``advance`` runs some of its steps.
 
-    xtr, ytr, _, _ = data
-    torch.manual_seed(seed)
-    model = DistributedDataParallel(mlp(), sync=mode, max_staleness=o["max_staleness"],
-                                    activation_delay=o["activation_delay"] / 1e3)
-    opt = torch.optim.SGD(model.parameters(), lr=o["lr"])
-    loss_fn = nn.CrossEntropyLoss()
-    gen = torch.Generator().manual_seed(seed * 1000 + rank)
-    straggler = random.Random(seed * 7919 + world)   # the same sequence on every rank
-    batch, lo, hi = o["batch"], o["delay_lo"] / 1e3, o["delay_hi"] / 1e3
-    stamps, snaps = [], []
-    dist.barrier()
-    t0 = time.perf_counter()
-    steps = o["steps"] if imbalance else o["balanced_steps"]
-    for step in range(steps):
-        who, delay = straggler.randrange(world), straggler.uniform(lo, hi)
-        if imbalance and who == rank:
-            time.sleep(delay)
-        idx = torch.randint(0, len(xtr), (batch,), generator=gen)
-        loss = loss_fn(model(xtr[idx]), ytr[idx])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        stamps.append(time.perf_counter() - t0)
-        if rank == 0 and (step + 1) % o["eval_every"] == 0:
-            snaps.append([p.detach().numpy().copy() for p in model.module.parameters()])  # numpy: plain pickles
-    rounds = None
-    if model.partial is not None:
-        p = model.partial
-        infos = list(p.allreduce.history)[:steps]
-        rounds = {"mean_count": statistics.fmean(i.count for i in infos),
-                  "max_age": max(i.max_age for i in infos),
-                  "waited": sum(1 for i in infos if i.required)}
-        p.close()
-    every: list = [None] * world
-    dist.all_gather_object(every, stamps)
-    if rank != 0:
-        return {}
-    return {"mode": mode, "imbalance": imbalance, "seed": seed, "world": world,
-            "step_time": [max(s[i] for s in every) for i in range(steps)],
-            "snaps": snaps, "rounds": rounds}
+    The runs without imbalance advance in interleaved blocks (full, solo, majority, full, ...):
+    their differences are a few percent, less than this machine's speed drifts within a minute,
+    so each mode must see the same slow and fast phases. Each block starts at a barrier; a
+    run's clock counts only its own blocks."""
+
+    def __init__(self, rank: int, world: int, mode: str, imbalance: bool, seed: int, o: dict, data) -> None:
+        from ddp import DistributedDataParallel
+
+        self.rank, self.world, self.mode, self.imbalance, self.seed, self.o = rank, world, mode, imbalance, seed, o
+        self.xtr, self.ytr = data[0], data[1]
+        torch.manual_seed(seed)
+        self.model = DistributedDataParallel(mlp(), sync=mode, max_staleness=o["max_staleness"],
+                                             activation_delay=o["activation_delay"] / 1e3)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=o["lr"])
+        self.loss_fn = nn.CrossEntropyLoss()
+        self.gen = torch.Generator().manual_seed(seed * 1000 + rank)
+        self.straggler = random.Random(seed * 7919 + world)   # the same sequence on every rank
+        self.steps = o["steps"] if imbalance else o["balanced_steps"]
+        self.step, self.clock, self.stamps, self.snaps = 0, 0.0, [], []
+
+    def advance(self, n: int) -> None:
+        o, rank = self.o, self.rank
+        lo, hi = o["delay_lo"] / 1e3, o["delay_hi"] / 1e3
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(min(n, self.steps - self.step)):
+            who, delay = self.straggler.randrange(self.world), self.straggler.uniform(lo, hi)
+            if self.imbalance and who == rank:
+                time.sleep(delay)
+            idx = torch.randint(0, len(self.xtr), (o["batch"],), generator=self.gen)
+            loss = self.loss_fn(self.model(self.xtr[idx]), self.ytr[idx])
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.stamps.append(self.clock + time.perf_counter() - t0)
+            self.step += 1
+            if rank == 0 and self.step % o["eval_every"] == 0:   # numpy: plain pickles
+                self.snaps.append([p.detach().numpy().copy() for p in self.model.module.parameters()])
+        self.clock += time.perf_counter() - t0
+
+    def finish(self) -> dict:
+        rounds = None
+        if self.model.partial is not None:
+            p = self.model.partial
+            infos = list(p.allreduce.history)[:self.steps]
+            rounds = {"mean_count": statistics.fmean(i.count for i in infos),
+                      "max_age": max(i.max_age for i in infos),
+                      "waited": sum(1 for i in infos if i.required)}
+            p.close()
+        every: list = [None] * self.world
+        dist.all_gather_object(every, self.stamps)
+        if self.rank != 0:
+            return {}
+        return {"mode": self.mode, "imbalance": self.imbalance, "seed": self.seed, "world": self.world,
+                "step_time": [max(s[i] for s in every) for i in range(self.steps)],
+                "snaps": self.snaps, "rounds": rounds}
+
+
+def run_modes(rank: int, world: int, imbalance: bool, seed: int, o: dict, data) -> list[dict]:
+    """Every mode for one seed: whole runs one after the other under imbalance (blocks would
+    resynchronise the ranks that partial modes let run ahead), interleaved blocks without."""
+    if imbalance:
+        out = []
+        for mode in o["modes"]:
+            run = Run(rank, world, mode, imbalance, seed, o, data)
+            run.advance(run.steps)
+            out.append(run.finish())
+        return out
+    runs = [Run(rank, world, mode, imbalance, seed, o, data) for mode in o["modes"]]
+    while any(r.step < r.steps for r in runs):
+        for r in runs:
+            r.advance(o["block"])
+    return [r.finish() for r in runs]
 
 
 def rank_main(rank: int, world: int, port: int, o: dict, queue) -> None:
@@ -133,8 +166,7 @@ def rank_main(rank: int, world: int, port: int, o: dict, queue) -> None:
         out = []
         for imbalance in o["imbalance"]:
             for seed in range(o["seeds"]):
-                for mode in o["modes"]:   # interleaved: slow phases of the machine hit all modes
-                    out.append(train_once(rank, world, mode, imbalance, seed, o, data))
+                out += run_modes(rank, world, imbalance, seed, o, data)
         dist.destroy_process_group()
         queue.put((rank, "ok", out if rank == 0 else None))
     except BaseException as e:  # noqa: BLE001 - reported by the parent
@@ -286,6 +318,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--balanced-steps", type=int, default=600,
                     help="steps of the runs without imbalance (short steps: more of them for a stable time)")
+    ap.add_argument("--block", type=int, default=25,
+                    help="steps per block of the interleaved runs without imbalance")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.2)
     ap.add_argument("--max-staleness", type=int, default=8)
@@ -306,7 +340,7 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     if a.quick:
         a.worlds, a.seeds, a.steps, a.balanced_steps = [2], 1, 100, 200
-    o = {"steps": a.steps, "balanced_steps": a.balanced_steps, "batch": a.batch, "lr": a.lr,
+    o = {"steps": a.steps, "balanced_steps": a.balanced_steps, "block": a.block, "batch": a.batch, "lr": a.lr,
          "max_staleness": a.max_staleness, "activation_delay": a.activation_delay,
          "delay_lo": a.delay_lo, "delay_hi": a.delay_hi, "target": a.target,
          "targets": sorted(set(a.targets) | {a.target}), "eval_every": a.eval_every,

@@ -134,8 +134,10 @@ def format_header(result: dict, order: list[str]) -> str:
                      f" GB/s one way, {ref['tcp_loopback_each_way_bidir_GBps']:.2f} GB/s each way"
                      f" both ways at once; memcpy {ref['memcpy_GBps']:.2f} GB/s (64 MiB copy_)")
         if "memcpy_per_rank_GBps" in ref:
+            seen = ref.get("memcpy_per_rank_before_after_GBps")
+            when = f" (best of {seen[0]:.2f} before and {seen[1]:.2f} after the ranks)" if seen else ""
             lines.append(f"# reference, this run: {ref['memcpy_per_rank_GBps']:.2f} GB/s copied by each "
-                         f"of {m['world_size']} one-thread processes at once; one-host all_reduce "
+                         f"of {m['world_size']} one-thread processes at once{when}; one-host all_reduce "
                          f"busbw bound {ref['all_reduce_shm_bound_busbw_GBps']:.2f} GB/s "
                          f"(least-traffic model, docs/performance.md)")
     for b, text in result["info"].items():

@@ -8,9 +8,11 @@ holding everyone up; every rank applies every round's result once, in order, so 
 stay identical at equal step counts.
 
 It is wired in as a communication hook (the reducer is unchanged): buckets hand over their
-gradients in launch order; the last bucket's call packs them, in parameter order (bucket
-layouts change when buckets are rebuilt, a deposit's layout must not), into one tensor,
-submits it and fills every bucket's future with its share of the round's average.
+gradients in launch order, each copied into one tensor laid out in reverse parameter order
+(bucket layouts change when buckets are rebuilt, a deposit's layout must not; reverse order
+is how DDP fills buckets, so a bucket is usually one range of it: one copy in, one divide
+out); the last bucket's call submits it and fills every bucket's future with its share of
+the round's average.
 
 Per-step collectives on the user's group would resynchronise every step, so partial modes
 refuse what needs them: ``find_unused_parameters``/``static_graph`` (a used-parameter
@@ -40,26 +42,49 @@ class PartialSync:
         if len(dtypes) != 1 or any(p.device.type != "cpu" for p in params):
             raise ValueError(f"DistributedDataParallel(sync={mode!r}) needs CPU parameters of one "
                              f"dtype, got {sorted(map(str, dtypes))}")
-        self.index = {id(p): i for i, p in enumerate(params)}   # deposit layout: parameter order
-        self.sizes = [p.numel() for p in params]
-        self.allreduce = PartialAllReduce(torch.zeros(sum(self.sizes), dtype=params[0].dtype),
+        # The deposit's layout: reverse parameter order, the order DDP fills buckets in, so that
+        # a bucket is usually one contiguous range of it (one copy in, one divide out).
+        order = list(reversed(params))
+        self.index = {id(p): i for i, p in enumerate(order)}
+        self.sizes = [p.numel() for p in order]
+        self.offsets = [0]
+        for n in self.sizes:
+            self.offsets.append(self.offsets[-1] + n)
+        self.allreduce = PartialAllReduce(torch.zeros(self.offsets[-1], dtype=params[0].dtype),
                                           group=group, mode=mode, max_staleness=max_staleness, seed=seed,
                                           activation_delay=activation_delay)
+        self._ranges: dict[tuple[int, ...], tuple[int, int] | None] = {}
         self._views: list[torch.Tensor] | None = None   # this step's deposit, split per parameter
         self._flat: torch.Tensor | None = None
         self._pending: list[tuple[object, torch.futures.Future]] = []
         self.last: RoundInfo | None = None     # the round applied by the last backward
 
-    def _slices(self, views: list[torch.Tensor], bucket) -> list[torch.Tensor]:
-        return [views[self.index[id(p)]] for p in bucket.parameters()]
+    def _range(self, bucket) -> tuple[int, int] | None:
+        """The deposit range a bucket's buffer maps onto one to one, or None (buckets are
+        rebuilt after the first iteration, in gradient-ready order; any order is handled)."""
+        params = bucket.parameters()
+        key = tuple(map(id, params))
+        if key not in self._ranges:
+            idx = [self.index[i] for i in key]
+            lo, hi = self.offsets[idx[0]], self.offsets[idx[-1] + 1]
+            one_to_one = idx == list(range(idx[0], idx[0] + len(idx))) and bucket.buffer().numel() == hi - lo
+            self._ranges[key] = (lo, hi) if one_to_one else None
+        return self._ranges[key]
+
+    def _slices(self, bucket) -> list[torch.Tensor]:
+        if self._views is None:
+            self._views = list(self._flat.split(self.sizes))
+        return [self._views[self.index[id(p)]] for p in bucket.parameters()]
 
     def hook(self, _state, bucket) -> torch.futures.Future:
         if self._flat is None:
             self._flat = self.allreduce.buffer()   # filled in place: deposited without a copy
-            self._views = list(self._flat.split(self.sizes))
-        with torch.no_grad():   # one fused copy per bucket (bucket layouts may change; ours not)
-            torch._foreach_copy_(self._slices(self._views, bucket),
-                                 [g.reshape(-1) for g in bucket.gradients()])
+        r = self._range(bucket)
+        with torch.no_grad():
+            if r is not None:
+                self._flat[r[0]:r[1]].copy_(bucket.buffer())
+            else:   # one fused copy per bucket
+                torch._foreach_copy_(self._slices(bucket), [g.reshape(-1) for g in bucket.gradients()])
         fut: torch.futures.Future = torch.futures.Future()
         self._pending.append((bucket, fut))
         if bucket.is_last():
@@ -76,16 +101,21 @@ class PartialSync:
                 fut.set_exception(exc)
             raise
         self.last = result.info
-        totals = list(result.tensor.reshape(-1).split(self.sizes))
+        self._views = None
+        total, count = result.tensor.reshape(-1), result.count
         with torch.no_grad():
             for bucket, fut in pending:
-                grads = [g.reshape(-1) for g in bucket.gradients()]
-                torch._foreach_copy_(grads, self._slices(totals, bucket))
-                if result.count:   # the average: sum / number of contributions in it
-                    bucket.buffer().div_(result.count)
+                buf, r = bucket.buffer(), self._range(bucket)
+                if not count:      # only after a flush: a round nobody contributed to
+                    buf.zero_()
+                elif r is not None:   # the average, sum / contributions, in one pass
+                    torch.div(total[r[0]:r[1]], count, out=buf)
                 else:
-                    bucket.buffer().zero_()
-                fut.set_result(bucket.buffer())
+                    totals = [total[self.offsets[i]:self.offsets[i + 1]]
+                              for i in (self.index[id(p)] for p in bucket.parameters())]
+                    torch._foreach_copy_([g.reshape(-1) for g in bucket.gradients()], totals)
+                    buf.div_(count)
+                fut.set_result(buf)
         self.allreduce.recycle(result)
 
     def flush(self) -> list[RoundResult]:

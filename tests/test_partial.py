@@ -316,14 +316,29 @@ def test_ddp_partial_sync_with_stragglers_keeps_replicas_identical():
     assert torch.equal(out[0][0], out[1][0]) and sum(out[0][2]) == 40
 
 
-def _ddp_many_buckets(rank, world, sync):
+class _OutOfOrder(torch.nn.Module):
+    """Layers registered c, a, b but used a, b, c: gradients become ready in an order that is
+    not reverse registration order, so rebuilt buckets are no single range of the deposit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = torch.nn.Linear(8, 1)
+        self.a = torch.nn.Linear(6, 8)
+        self.b = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def _ddp_many_buckets(rank, world, sync, shape):
     import ddp
     from tests.test_ddp_support import mlp
 
     torch.manual_seed(0)
     # tiny buckets: several per step, rebuilt after the first step (a new layout); every
     # parameter's average must come back to that parameter, from any bucket
-    model = ddp.DistributedDataParallel(mlp(), sync=sync, max_staleness=0, bucket_cap_mb=0.0005,
+    model = ddp.DistributedDataParallel(mlp() if shape == "mlp" else _OutOfOrder(), sync=sync,
+                                        max_staleness=0, bucket_cap_mb=0.0005,
                                         first_bucket_cap_mb=0.0002)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(100 + rank)
@@ -334,16 +349,21 @@ def _ddp_many_buckets(rank, world, sync):
         loss.backward()
         opt.step()
     buckets = len(model.reducer.buckets)
+    paths = set()
     if model.partial is not None:
+        paths = {r is not None for r in model.partial._ranges.values()}   # one range / per parameter
         model.partial.close()
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), buckets
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), buckets, paths
 
 
-def test_ddp_partial_sync_with_many_rebuilt_buckets_equals_full_sync_at_zero_staleness():
-    full = run_ranks(_ddp_many_buckets, 2, "full", backend="pycoll", timeout=40)
-    solo = run_ranks(_ddp_many_buckets, 2, "solo", backend="pycoll", timeout=40)
+@pytest.mark.parametrize("shape", ["mlp", "out_of_order"])
+def test_ddp_partial_sync_with_many_rebuilt_buckets_equals_full_sync_at_zero_staleness(shape):
+    full = run_ranks(_ddp_many_buckets, 2, "full", shape, backend="pycoll", timeout=40)
+    solo = run_ranks(_ddp_many_buckets, 2, "solo", shape, backend="pycoll", timeout=40)
     assert full[0][1] > 1 and solo[0][1] > 1                    # really several buckets
-    for (pf, _), (ps, _) in zip(full, solo):                    # K = 0: synchronous SGD
+    if shape == "out_of_order":     # buckets that are one deposit range and buckets that are not
+        assert solo[0][2] == {True, False}, solo[0][2]
+    for (pf, _, _), (ps, _, _) in zip(full, solo):              # K = 0: synchronous SGD
         assert torch.allclose(pf, ps, rtol=1e-5, atol=1e-6), (pf - ps).abs().max()
 
 

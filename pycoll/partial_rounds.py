@@ -24,6 +24,7 @@ zero), so after the SUM all-reduce every rank holds every slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MODES = ("solo", "majority")
 FIELDS = ("count", "oldest_age", "newest_age", "initiated", "flushing", "left")
@@ -72,9 +73,9 @@ class RoundInfo:
         return max((a[1] for a in self.ages if a is not None), default=0)
 
 
-@dataclass(frozen=True)
-class Contribution:
-    """One rank's slot: the deposits it put into a round and what it still holds back."""
+class Contribution(NamedTuple):
+    """One rank's slot: the deposits it put into a round and what it still holds back
+    (a NamedTuple: one is made every round, and a frozen dataclass costs several times more)."""
 
     count: int = 0
     oldest: int = 0        # index of its oldest deposit in the round (meaningful if count)
@@ -105,12 +106,16 @@ class Ledger:
         self.base = 0                      # index of the first deposit since the last flush
         self.last = [-1] * world           # highest index each rank has contributed
         self.misses = [0] * world
+        self._initiator: tuple[int, int] = (-1, 0)   # (round, its majority initiator)
 
     def initiator(self, k: int | None = None) -> int | None:
         """The rank allowed to start round k (majority), or None: any rank may (solo)."""
         if self.mode == "solo":
             return None
-        return majority_initiator(self.seed, self.k if k is None else k, self.world)
+        k = self.k if k is None else k
+        if self._initiator[0] != k:       # asked several times a round: computed once
+            self._initiator = (k, majority_initiator(self.seed, k, self.world))
+        return self._initiator[1]
 
     def may_initiate(self, rank: int) -> bool:
         who = self.initiator()

@@ -318,7 +318,7 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--balanced-steps", type=int, default=600,
                     help="steps of the runs without imbalance (short steps: more of them for a stable time)")
-    ap.add_argument("--block", type=int, default=25,
+    ap.add_argument("--block", type=int, default=5,
                     help="steps per block of the interleaved runs without imbalance")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.2)

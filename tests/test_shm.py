@@ -174,14 +174,15 @@ def _pair_rounds(rank, world):
     bad = []
     ops = {"sum": dist.ReduceOp.SUM, "product": dist.ReduceOp.PRODUCT, "min": dist.ReduceOp.MIN,
            "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
-    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int32, torch.int64, torch.uint8):
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
+                  torch.uint8):
         for n in (4097 // dtype.itemsize, 5003, 3 * 4096 // dtype.itemsize):
             x = (torch.rand(n, generator=gen) * 4).to(dtype) if dtype.is_floating_point else \
                 torch.randint(0, 5, (n,), generator=gen, dtype=dtype)
             for name, op in ops.items():
                 if name == "avg" and not dtype.is_floating_point:
                     continue
-                if name == "avg" and dtype == torch.bfloat16:
+                if name == "avg" and dtype in (torch.bfloat16, torch.float16):
                     continue    # gloo has no AVG; checked against SUM / 2 below in float32 and 64
                 mine, ref = x.clone(), x.clone()
                 dist.all_reduce(mine, op=op)

@@ -11,9 +11,10 @@ mappings, so ``kill -9`` of any rank at any time leaves nothing in /dev/shm.
 
 Sync: ``sync()`` is a barrier over epochs. Each rank owns its epoch word (single writer, so
 a plain store suffices on x86's ordered stores) and wakes waiters with FUTEX_WAKE. A
-waiter spins briefly (only where every rank has a core: ``spin_budget``), then blocks in FUTEX_WAIT in slices of 50 ms, between which it checks
-the deadline, peers' abort flags and whether the peer's process still exists. A rank
-blocked in a barrier therefore uses no CPU, and a dead peer is noticed within 50 ms.
+waiter spins briefly (only where every rank has a core: ``spin_budget``), then blocks in
+FUTEX_WAIT in slices of 50 ms, between which it checks the deadline, peers' abort flags and
+whether the peer's process still exists. A rank blocked in a barrier therefore uses no CPU,
+and a dead peer is noticed within 50 ms.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ WAIT_SLICE = 0.05
 _SYS_FUTEX = 202            # x86-64
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1
 _libc = ctypes.CDLL(None, use_errno=True)
-log = logging.getLogger("pycoll")
 _libc.syscall.restype = ctypes.c_long
+log = logging.getLogger("pycoll")
 
 
 class _Timespec(ctypes.Structure):

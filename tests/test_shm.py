@@ -176,7 +176,8 @@ def _pair_rounds(rank, world):
            "max": dist.ReduceOp.MAX, "avg": dist.ReduceOp.AVG}
     for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32, torch.int64,
                   torch.uint8):
-        for n in (4097 // dtype.itemsize, 5003, 3 * 4096 // dtype.itemsize):
+        # past 64 KiB: the staged-half form, in many 4 KiB rounds; 5003: the one-shot rounds
+        for n in (65536 // dtype.itemsize + 1, 5003, 3 * 65536 // dtype.itemsize + 5):
             x = (torch.rand(n, generator=gen) * 4).to(dtype) if dtype.is_floating_point else \
                 torch.randint(0, 5, (n,), generator=gen, dtype=dtype)
             for name, op in ops.items():

@@ -60,20 +60,27 @@ def _futex_wake(addr: int) -> None:
     _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, ctypes.c_int(0x7FFFFFFF), None, None, 0)
 
 
-def spin_budget(local_ranks: int, tell: bool = False) -> int:
-    """Polls of a peer's epoch before a barrier blocks in the kernel.
+SPIN_SECONDS = 0.002
+
+
+def spin_budget(local_ranks: int, tell: bool = False) -> float:
+    """Seconds a barrier polls a peer's epoch before it blocks in the kernel.
 
     Spinning pays only while every local rank has a core of its own: then a peer's arrival is
-    seen within a microsecond, where a futex wake-up costs tens of microseconds on a VM. Once
-    the ranks plus torch's intra-op threads outnumber the cores, a spinning rank takes the core
-    a peer (or the peer's intra-op thread) needs: measured here with 2 ranks x 2 threads on 2
-    cores, a 1 MiB all_reduce after a parallel torch op took 3.0 ms spinning, 0.67 ms not.
+    seen within a microsecond, where a futex wake-up costs tens to hundreds of microseconds on
+    a VM. It must outlast that wake-up, or two ranks fall into taking turns to sleep: each
+    wakes the other late, which then finds the next barrier's peer asleep too. Spinning 2000
+    polls (~0.3 ms) left whole runs of 8 B - 64 KiB all_reduces at 270-450 us; 2 ms, at
+    40-80 us. Once the ranks plus torch's intra-op threads outnumber the cores, a spinning
+    rank takes the core a peer (or the peer's intra-op thread) needs: measured here with 2
+    ranks x 2 threads on 2 cores, a 1 MiB all_reduce after a parallel torch op took 3.0 ms
+    spinning, 0.67 ms not.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = torch.get_num_threads()
     if tell and local_ranks <= cores < local_ranks * threads and not _told_oversubscribed:
         _tell_oversubscribed(local_ranks, threads, cores)
-    return 2000 if local_ranks * threads <= cores else 0
+    return SPIN_SECONDS if local_ranks * threads <= cores else 0.0
 
 
 _told_oversubscribed = False
@@ -219,7 +226,7 @@ class ShmArena:
             if r == self.me:
                 continue
             word = r * LINE // 4
-            spins = 0
+            spin_end = None
             while True:
                 v = ctrl[word]
                 if v >= target:
@@ -229,9 +236,12 @@ class ShmArena:
                 if ctrl[word + 1] and ctrl[word] < target:
                     raise PeerClosedError(f"{what}: rank {self.ranks[r]} left the group: {self._reason(r)}",
                                           rank=self.ranks[self.me], peer=self.ranks[r])
-                if spins < self.spin:
-                    spins += 1
-                    continue
+                if self.spin:
+                    now = time.perf_counter()
+                    if spin_end is None:
+                        spin_end = now + self.spin
+                    if now < spin_end:
+                        continue
                 now = time.monotonic()
                 left = deadline - now
                 if left <= 0:

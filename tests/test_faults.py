@@ -197,7 +197,9 @@ def test_mismatch_where_nobody_sends_ends_in_a_timeout():
     for r, o in enumerate(out):
         info = o["value"]
         assert o["status"] == "ok" and info["err"] == "CommTimeoutError", explain(out)
-        assert info["elapsed"] < 4 and "timed out waiting for rank" in info["msg"], info
+        # the timeout (2 s), not a hang (the harness's 30 s), ends it; the margin covers one
+        # clean-clone CI run where a rank took 7.2 s, its op having failed after 2.003 s
+        assert info["elapsed"] < 10 and "timed out waiting for rank" in info["msg"], info
         assert info["fds_left"] <= 0 and info["threads"] == [], info
 
 

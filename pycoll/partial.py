@@ -101,7 +101,8 @@ class PartialAllReduce:
         self._parked = False               # the progress thread drives but waits for a trigger
         self._activated: set[int] = set()          # rounds an activation arrived for
         self._timer: tuple[int, float] | None = None   # (round, when): activate unless done by then
-        self._act = Activations(self._pg, self.rank, self._peers, lock, self._notify_all)
+        self._act = Activations(self._pg, self.rank, self._peers, lock, self._notify_all,
+                                successor=ranks[(self.rank + 1) % self.world], keepalive_s=self.timeout / 4)
         self.history: deque[RoundInfo] = deque(maxlen=history)
         self._thread = threading.Thread(target=self._progress, name=f"pycoll-partial-{self.rank}",
                                         daemon=True)
@@ -196,6 +197,7 @@ class PartialAllReduce:
                 self._closed = True
                 self._notify_all()
             self._thread.join(5)
+            self._act.close()
             if flushed:
                 dist.barrier(group=self._pg)   # nobody may still be reading the last round
             try:
@@ -295,6 +297,7 @@ class PartialAllReduce:
         try:
             if self.world > 1:
                 self._act.post()
+                self._act.start_keepalive()
             while True:
                 fire = None
                 with self._lock:

@@ -8,7 +8,10 @@ solo initiators) and stale activations, which the caller drops.
 
 An activation only matters to a rank that is not already in the round (its training thread
 is computing); when every rank arrives within the initiator's grace period (balanced
-steps), ``pycoll.partial`` sends none at all.
+steps), ``pycoll.partial`` sends none at all. But the posted receive is bounded by the
+group's timeout (gloo and pycoll both apply it), so a thread sends a *keepalive* (round
+``KEEPALIVE``) to the next rank in the ring every quarter of it: every rank's receive
+completes, and is posted afresh, well before it could time out.
 """
 
 from __future__ import annotations
@@ -20,12 +23,18 @@ import torch
 import torch.distributed as dist
 
 TAG = 0x5041  # "PA"; the group is private, so it cannot collide with user tags
+KEEPALIVE = -1  # the round number of a keepalive: older than any round, so always dropped
 
 
 class Activations:
     def __init__(self, group, rank: int, peers: list[int], lock: threading.Lock,
-                 on_arrival: Callable[[], None]) -> None:
+                 on_arrival: Callable[[], None], successor: int, keepalive_s: float) -> None:
         self.group, self.rank, self.peers = group, rank, peers
+        self.successor, self.keepalive_s = successor, keepalive_s
+        self._send_lock = threading.Lock()   # sends come from the progress, user and keepalive threads
+        self._stop = threading.Event()
+        self._keeper: threading.Thread | None = None
+        self._waiter: threading.Thread | None = None   # gloo: the thread in the receive's wait()
         self.lock, self.on_arrival = lock, on_arrival
         self.ready = False        # a message is waiting (read and written under ``lock``)
         self.sent = 0             # activation messages sent (observability, tests)
@@ -40,8 +49,9 @@ class Activations:
         try:
             fut = work.get_future()
         except RuntimeError:  # gloo's receives have no future: a thread waits instead
-            threading.Thread(target=self._wait, args=(work,), name="pycoll-partial-recv",
-                             daemon=True).start()
+            self._waiter = threading.Thread(target=self._wait, args=(work,), name="pycoll-partial-recv",
+                                            daemon=True)
+            self._waiter.start()
             return
         fut.add_done_callback(self._arrived)
 
@@ -74,14 +84,42 @@ class Activations:
 
     def send(self, k: int) -> None:
         """Activate round k on every peer (fire and forget; a failed send raises later)."""
-        still = []
-        for work, payload in self._sends:
-            if work.is_completed():
-                work.wait()  # re-raises a failed send
-            else:
-                still.append((work, payload))  # keep the payload alive until it is sent
-        payload = torch.tensor([k, self.rank], dtype=torch.int64)
-        for peer in self.peers:
-            still.append((dist.isend(payload, dst=peer, group=self.group, tag=TAG), payload))
-        self._sends = still
+        self._send(k, self.peers)
         self.sent += len(self.peers)
+
+    def _send(self, k: int, dsts: list[int]) -> None:
+        with self._send_lock:
+            still = []
+            for work, payload in self._sends:
+                if work.is_completed():
+                    work.wait()  # re-raises a failed send
+                else:
+                    still.append((work, payload))  # keep the payload alive until it is sent
+            payload = torch.tensor([k, self.rank], dtype=torch.int64)
+            for dst in dsts:
+                still.append((dist.isend(payload, dst=dst, group=self.group, tag=TAG), payload))
+            self._sends = still
+
+    def start_keepalive(self) -> None:
+        self._keeper = threading.Thread(target=self._keep, name="pycoll-partial-keepalive", daemon=True)
+        self._keeper.start()
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.keepalive_s):
+            try:
+                self._send(KEEPALIVE, [self.successor])
+            except Exception:  # noqa: BLE001 - the group broke: its own calls report it
+                return
+
+    def close(self) -> None:
+        """Collective, once nothing posts receives any more: a last keepalive to the next
+        rank completes its posted receive, so no thread stays in a gloo receive's wait()."""
+        self._stop.set()
+        if self._keeper is not None:
+            self._keeper.join(5)
+        try:
+            self._send(KEEPALIVE, [self.successor])
+        except Exception:  # noqa: BLE001 - a broken group: its receive failed already
+            pass
+        if self._waiter is not None:
+            self._waiter.join(5)

@@ -404,27 +404,32 @@ def _dies_midway(rank, world):
 
 
 def _quiet_longer_than_timeout(rank, world):
+    import threading
+
     import pycoll
 
-    # balanced rounds send no activation, yet the posted activation receive is bounded by the
-    # group timeout (2 s here): the keepalives must complete it in time, round after round
-    par = pycoll.partial.PartialAllReduce(torch.zeros(4), mode="solo", timeout=2.0)
-    rounds, end = 0, time.monotonic() + 3.5
+    # balanced rounds send no activation (none can: the grace period outlasts the test), yet
+    # the posted activation receive is bounded by the group timeout (2 s here): keepalives
+    # must complete it in time, again and again
+    par = pycoll.partial.PartialAllReduce(torch.zeros(4), mode="solo", timeout=2.0, activation_delay=30.0)
+    rounds, total, end = 0, torch.zeros(4), time.monotonic() + 3.5
     while time.monotonic() < end:
-        res = par.all_reduce(torch.ones(4))
-        assert res.tensor.tolist() == [2.0] * 4
+        total += par.all_reduce(torch.ones(4)).tensor
         rounds += 1
         time.sleep(0.01)
+    for res in par.flush():
+        total += res.tensor
     sent = par._act.sent
     par.close()
-    import threading
     left = [t.name for t in threading.enumerate() if t.name.startswith("pycoll-partial")]
-    return rounds, sent, left
+    return rounds, total.tolist(), sent, left
 
 
 @pytest.mark.parametrize("backend", ["pycoll", "gloo"])
 def test_rounds_go_on_past_the_group_timeout_without_activations(backend):
     out = run_ranks(_quiet_longer_than_timeout, 2, backend=backend, timeout=40)
-    for rounds, sent, left in out:
+    deposits = sum(rounds for rounds, _, _, _ in out)
+    for rounds, total, sent, left in out:
         assert rounds > 50 and sent == 0, out
+        assert total == [float(deposits)] * 4, out    # every deposit in exactly once
         assert left == [], out      # no thread stays behind in a receive (gloo: a blocking wait)

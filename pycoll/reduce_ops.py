@@ -113,15 +113,19 @@ class Reduction:
         if out.numel() < kernels.GRAIN:
             _OUT_OF_PLACE[self.kernel](a, b, out=out)
         elif self.numpy_loops:
-            o = kernels.as_numpy(out)
-            token = quiet_floats_begin()
-            try:
-                self.ufunc(kernels.as_numpy(a), kernels.as_numpy(b), out=o)
-            finally:
-                quiet_floats_end(token)
+            self.np_combine(kernels.as_numpy(a), kernels.as_numpy(b), kernels.as_numpy(out))
         else:
             op = _OUT_OF_PLACE[self.kernel]
             kernels.sliced(lambda x, y, z: op(x, y, out=z), a, b, out)
+
+    def np_combine(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+        """``out = a op b`` on numpy arrays (``ufunc`` must be set); float overflow gives inf
+        without numpy's warning, as in torch."""
+        token = quiet_floats_begin()
+        try:
+            self.ufunc(a, b, out=out)
+        finally:
+            quiet_floats_end(token)
 
     def prepare(self, t: torch.Tensor) -> None:
         """Scale a working copy of the local contribution in place (PREMUL_SUM)."""

@@ -39,7 +39,7 @@ import torch
 from .algorithms.schedule import chunks, displacements
 from . import kernels
 from .kernels import copy
-from .reduce_ops import Reduction, quiet_floats_begin, quiet_floats_end
+from .reduce_ops import Reduction
 from .transport.shm import ShmArena
 
 ONE_SHOT_BYTES = 64 << 10
@@ -140,14 +140,9 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
         np.copyto(slots[me], tn)
         barrier()
         if L > 1:
-            token = quiet_floats_begin() if tn.dtype.kind in "fc" else None
-            try:
-                red.ufunc(slots[0], slots[1], out=tn)
-                for q in range(2, L):
-                    red.ufunc(tn, slots[q], out=tn)
-            finally:
-                if token is not None:
-                    quiet_floats_end(token)
+            red.np_combine(slots[0], slots[1], tn)
+            for q in range(2, L):
+                red.np_combine(tn, slots[q], tn)
         return
     if L == 2 and n * dt.itemsize > ONE_SHOT_BYTES:
         return _all_reduce_pair(arena, t, red, barrier)
@@ -185,48 +180,29 @@ def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) 
     """Two ranks, large: each stages only the half its peer reduces, reduces its own half
     straight into its output (``x0 op x1`` in rank order), publishes it in the unused half of
     its slot, and copies the peer's reduced half out. Per rank and element: 4.5 bytes moved
-    per byte of data against the one-shot form's 5, for a second barrier per round."""
+    per byte of data against the one-shot form's 5, for a second barrier per round.
+
+    Where numpy loops over the dtype, the schedule runs on numpy views made once per call
+    (a tensor-to-numpy conversion in every copy and reduce cost ~20 us a round)."""
     me, dt = arena.me, t.dtype
     if red.numpy_loops:
-        return _all_reduce_pair_numpy(arena, kernels.as_numpy(t), red, barrier)
+        buf = kernels.as_numpy(t)
+        slots, put, combine = (lambda p: arena.numpy_slots(p, buf.dtype)), np.copyto, red.np_combine
+    else:
+        buf = t
+        slots, put, combine = (lambda p: (arena.slot(0, p, dt), arena.slot(1, p, dt))), copy, red.combine
     for off, c in _rounds(t.numel(), arena.slot_bytes // dt.itemsize):
-        p = arena.next_parity()
-        mine, peer = arena.slot(me, p, dt)[:c], arena.slot(1 - me, p, dt)[:c]
+        both = slots(arena.next_parity())
+        mine, peer = both[me], both[1 - me]
         halves = chunks(c, 2)
         (lo_m, n_m), (lo_p, n_p) = halves[me], halves[1 - me]
-        copy(mine[lo_p:lo_p + n_p], t[off + lo_p:off + lo_p + n_p])
+        put(mine[lo_p:lo_p + n_p], buf[off + lo_p:off + lo_p + n_p])
         barrier()
-        out = t[off + lo_m:off + lo_m + n_m]
-        theirs = peer[lo_m:lo_m + n_m]
-        if me == 0:
-            red.combine(out, theirs, out)
-        else:
-            red.combine(theirs, out, out)
-        copy(mine[lo_m:lo_m + n_m], out)
+        out, theirs = buf[off + lo_m:off + lo_m + n_m], peer[lo_m:lo_m + n_m]
+        combine(*((out, theirs) if me == 0 else (theirs, out)), out)
+        put(mine[lo_m:lo_m + n_m], out)
         barrier()
-        copy(t[off + lo_p:off + lo_p + n_p], peer[lo_p:lo_p + n_p])
-
-
-def _all_reduce_pair_numpy(arena: ShmArena, tn: np.ndarray, red: Reduction, barrier) -> None:
-    """``_all_reduce_pair`` on numpy views made once per call: the same steps, without the
-    tensor-to-numpy conversions each copy and reduce would otherwise pay (~20 us a round)."""
-    me = arena.me
-    for off, c in _rounds(tn.size, arena.slot_bytes // tn.itemsize):
-        slots = arena.numpy_slots(arena.next_parity(), tn.dtype)
-        mine, peer = slots[me], slots[1 - me]
-        halves = chunks(c, 2)
-        (lo_m, n_m), (lo_p, n_p) = halves[me], halves[1 - me]
-        np.copyto(mine[lo_p:lo_p + n_p], tn[off + lo_p:off + lo_p + n_p])
-        barrier()
-        out, theirs = tn[off + lo_m:off + lo_m + n_m], peer[lo_m:lo_m + n_m]
-        token = quiet_floats_begin()
-        try:
-            red.ufunc(*((out, theirs) if me == 0 else (theirs, out)), out=out)
-        finally:
-            quiet_floats_end(token)
-        np.copyto(mine[lo_m:lo_m + n_m], out)
-        barrier()
-        np.copyto(tn[off + lo_p:off + lo_p + n_p], peer[lo_p:lo_p + n_p])
+        put(buf[off + lo_p:off + lo_p + n_p], peer[lo_p:lo_p + n_p])
 
 
 def reduce(arena: ShmArena, src: torch.Tensor, out: torch.Tensor | None, root: int, red: Reduction,

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
 from . import algorithms, faults, hangdump, rendezvous, stragglers, trace
@@ -36,6 +37,7 @@ from .work import Work
 log = logging.getLogger("pycoll")
 
 Task = Callable[[int, float], None]  # fn(seq, deadline)
+_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
 
 @functools.lru_cache(maxsize=1024)
@@ -88,7 +90,9 @@ class Communicator:
         self.error: BaseException | None = None
         self._seq = 0
         self._queue: deque[tuple[Work, Task]] = deque()
-        self._cv = threading.Condition()
+        # Entered as the raw lock on the latency path (a Condition's __enter__ is Python code).
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
         self._running = False
         self._waiting = 0
         self._closed = False
@@ -118,34 +122,37 @@ class Communicator:
     def submit(self, op: str, outputs: list, task: Task, inline: bool,
                timeout: float | None = None) -> Work:
         """Queue ``task``; ``timeout`` (seconds) overrides the group's for this op only."""
-        with self._cv:
+        with self._lock:
             if self._closed:
                 raise PycollError(f"{op}: process group has been destroyed")
-            work = Work(op, self._seq, outputs, driver=self._drive)
-            work.op_timeout = timeout
+            seq = self._seq
             self._seq += 1
             # The common blocking call with nothing queued before it runs at once, here:
-            # the same as _drive would do, without its queue round trip.
+            # the same as _drive would do, without its queue round trip, and its Work is
+            # born finished.
             express = inline and not self._running and not self._queue
             if express:
                 self._running = True
             else:
+                work = Work(op, seq, outputs, driver=self._drive)
+                work.op_timeout = timeout
                 self._queue.append((work, task))
                 if not inline:
                     self._cv.notify_all()
         if express:
             try:
-                self._run(work, task)
+                error = self._run(op, seq, timeout, task)
             finally:
                 self._release()
-        elif inline:
+            return Work(op, seq, outputs, done=True, error=error)
+        if inline:
             self._drive(work)
         return work
 
     def _drive(self, until: Work | None) -> None:
         """Run queued ops in order in this thread, up to and including ``until``."""
         while True:
-            with self._cv:
+            with self._lock:
                 while self._running:
                     if until is not None and until.is_completed():
                         return
@@ -159,7 +166,7 @@ class Communicator:
                 work, task = self._queue.popleft()
                 self._running = True
             try:
-                self._run(work, task)
+                work.complete(self._run(work.op, work.seq, work.op_timeout, task))
             finally:
                 self._release()
             if work is until:
@@ -167,25 +174,30 @@ class Communicator:
 
     def _release(self) -> None:
         """The running op is done: let the next driver in."""
-        with self._cv:
+        with self._lock:
             self._running = False
             # Wake only a thread that waits for this one (a wake-up per op would cost the
             # synchronous path a context switch of the idle worker).
             if self._waiting or self._queue:
                 self._cv.notify_all()
 
-    def _run(self, work: Work, task: Task) -> None:
+    def _run(self, op: str, seq: int, timeout: float | None, task: Task) -> BaseException | None:
+        """Run one op; returns its error (None: success) for the caller to complete its Work."""
         if self.error is not None:
-            work.complete(PycollError(f"{work.op} seq {work.seq}: process group is unusable after "
-                                      f"an earlier error: {self.error}"))
-            return
+            return PycollError(f"{op} seq {seq}: process group is unusable after "
+                               f"an earlier error: {self.error}")
         if self._before_op is not None:
-            self._before_op(work.op, work.seq)
+            self._before_op(op, seq)
         t0 = time.monotonic()
-        self.current = (work.op, work.seq, t0)
-        deadline = t0 + (work.op_timeout or self.timeout)
+        self.current = (op, seq, t0)
+        # Results are written in place into the caller's tensors, which may be leaf
+        # parameters that require grad (dist.all_reduce(param) works on gloo); grad mode is
+        # per thread and on by default in the worker, so it is off while a task runs.
+        grad = _grad_enabled()
+        if grad:
+            _set_grad_enabled(False)
         try:
-            task(work.seq, deadline)
+            task(seq, t0 + (timeout or self.timeout))
         except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
             hangdump.on_failure(self, exc)
             self.current = None
@@ -197,14 +209,16 @@ class Communicator:
             if self.arena is not None:
                 self.arena.abort(f"{type(exc).__name__}: {exc}")
             log.error("pycoll rank %d: %s", self.rank, exc)
-            work.complete(exc)
-        else:
-            t1 = time.monotonic()
-            self.arrivals.append((work.seq, work.op, t0, t1))
-            self.current = None
-            if self.tracer is not None:
-                self.tracer(("op", work.op, work.seq, t0, t1, self.mode))
-            work.complete()
+            return exc
+        finally:
+            if grad:
+                _set_grad_enabled(True)
+        t1 = time.monotonic()
+        self.arrivals.append((seq, op, t0, t1))
+        self.current = None
+        if self.tracer is not None:
+            self.tracer(("op", op, seq, t0, t1, self.mode))
+        return None
 
     def _work_loop(self) -> None:
         while True:

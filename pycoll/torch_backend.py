@@ -67,20 +67,8 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         return getattr(self, "_group_desc", "")
 
     def _submit(self, op: str, outputs: list, task, opts=None) -> Work:
-        inline = not getattr(opts, "asyncOp", True)
-
-        def run(seq, deadline):
-            # Results are written in place into the caller's tensors, which may be leaf
-            # parameters that require grad (dist.all_reduce(param) works on gloo); grad mode
-            # is per thread and on by default in the worker, so turn it off here.
-            # (set_grad_enabled costs a third of the no_grad context manager on this path.)
-            enabled = torch.is_grad_enabled()
-            torch.set_grad_enabled(False)
-            try:
-                task(seq, deadline)
-            finally:
-                torch.set_grad_enabled(enabled)
-        return self._comm.submit(op, outputs, run, inline, _op_timeout(opts))
+        return self._comm.submit(op, outputs, task, not getattr(opts, "asyncOp", True),
+                                 _op_timeout(opts))
 
     # -- reductions ----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):

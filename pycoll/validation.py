@@ -56,7 +56,7 @@ def check_tensors(ts, what: str, exactly: int | None = None) -> list[torch.Tenso
         raise ValueError(f"{what}: expected {exactly} tensor(s) per call, got {len(ts)}")
     if exactly == 1:    # the latency path: one tensor, checked inline
         t = ts[0]
-        if (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.device.type == "cpu"
+        if (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu
                 and t.dtype in SUPPORTED_DTYPES):
             return ts
     return [check_tensor(t, what) for t in ts]

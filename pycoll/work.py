@@ -21,20 +21,29 @@ _FUTURE_LOCK = threading.Lock()
 
 
 class Work(dist.Work):
-    def __init__(self, op: str, seq: int, outputs: list[torch.Tensor], driver=None) -> None:
+    # Defaults live on the class: a Work is made on every call's latency path, and each
+    # attribute set in __init__ costs there.
+    _error: BaseException | None = None
+    _future: torch.futures.Future | None = None  # made on first get_future()
+    _settled = False
+    _source = -1
+    _gate = None
+    op_timeout: float | None = None
+
+    def __init__(self, op: str, seq: int, outputs: list[torch.Tensor], driver=None,
+                 done: bool = False, error: BaseException | None = None) -> None:
         super().__init__()
         self.op, self.seq = op, seq
         self._outputs = outputs
         self._driver = driver  # callable(work) that runs queued ops up to this one
-        self._done = False
+        self._done = done
+        if done:    # finished at birth (a blocking op that already ran): nothing to wait on
+            self._error = error
+            return
         # Held from creation to completion: waiting is acquiring it. Cheaper to make than
         # an Event, and most Works are waited on once, at once.
         self._gate = threading.Lock()
         self._gate.acquire()
-        self._error: BaseException | None = None
-        self._future: torch.futures.Future | None = None  # made on first get_future()
-        self._settled = False
-        self._source = -1
 
     def complete(self, error: BaseException | None = None) -> None:
         if self._done:
@@ -57,6 +66,10 @@ class Work(dist.Work):
             self._future.set_exception(self._error)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if self._done:
+            if self._error is not None:
+                raise self._error
+            return True
         limit = timeout.total_seconds() if timeout else None
         if not self._done and self._driver is not None and limit is None:
             # Running the queue inline cannot stop at a timeout; with one, the group's
@@ -109,6 +122,4 @@ class Work(dist.Work):
 
 def completed(op: str, outputs: list[torch.Tensor]) -> Work:
     """An already finished Work (for no-op calls such as world size 1 point-to-point)."""
-    w = Work(op, -1, outputs)
-    w.complete()
-    return w
+    return Work(op, -1, outputs, done=True)

@@ -56,6 +56,32 @@ def test_blocked_barrier_uses_no_cpu(world):
     assert cpu < 0.05 * wall, f"rank 0 used {cpu:.3f} s of CPU in a {wall:.2f} s barrier"
 
 
+def _woken_late(rank, world):
+    """Rank 0 blocks in a barrier; the last rank arrives later: how long after does rank 0
+    leave? Wait slices are 2 s here, so only a futex wake can end rank 0's wait in time."""
+    from pycoll.transport import shm
+    slice_was, shm.WAIT_SLICE = shm.WAIT_SLICE, 2.0
+    try:
+        gaps = []
+        for _ in range(3):
+            dist.barrier()
+            if rank == world - 1:
+                time.sleep(0.2)
+            arrived = time.monotonic()     # CLOCK_MONOTONIC: one clock for the whole host
+            dist.barrier()
+            gaps.append(time.monotonic() if rank == 0 else arrived)
+        return gaps
+    finally:
+        shm.WAIT_SLICE = slice_was
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_sleeping_rank_is_woken_when_the_last_one_arrives(world):
+    res = run_ranks(_woken_late, world, backend="pycoll")
+    gaps = sorted(left - came for left, came in zip(res[0], res[-1]))
+    assert gaps[1] < 0.1, f"rank 0 left the barrier {gaps} s after the last rank came"
+
+
 def _die_in_collective(rank, world, victim, nbytes):
     store = rank_store()
     t = torch.ones(nbytes // 4)

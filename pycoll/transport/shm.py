@@ -10,16 +10,20 @@ Store; rank 0 then unlinks it. From that moment the memory lives only as long as
 mappings, so ``kill -9`` of any rank at any time leaves nothing in /dev/shm.
 
 Sync: ``sync()`` is a barrier over epochs. Each rank owns its epoch word (single writer, so
-a plain store suffices on x86's ordered stores) and wakes waiters with FUTEX_WAKE. A
-waiter spins briefly (only where every rank has a core: ``spin_budget``), then blocks in
-FUTEX_WAIT in slices of 50 ms, between which it checks the deadline, peers' abort flags and
-whether the peer's process still exists. A rank blocked in a barrier therefore uses no CPU,
-and a dead peer is noticed within 50 ms.
+a plain store suffices on x86's ordered stores). A waiter spins briefly (only where every
+rank has a core: ``spin_budget``), then raises its sleep word and blocks in FUTEX_WAIT in
+slices of 50 ms, between which it checks the deadline, peers' abort flags and whether the
+peer's process still exists. A rank blocked in a barrier therefore uses no CPU, and a dead
+peer is noticed within 50 ms. A rank that advances its epoch calls FUTEX_WAKE only when a
+peer's sleep word is up. (The waiter's sleep word is ordered before its epoch read by the
+kernel's barrier in FUTEX_WAIT; the waker's epoch store and sleep-word load have no fence
+between them, so in theory a wake-up can be missed: the cost is one wait slice, never a hang.)
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import mmap
 import os
@@ -34,6 +38,7 @@ from .. import slow_wait
 from ..errors import CommTimeoutError, MismatchError, PeerClosedError
 
 LINE = 256                  # bytes of control per rank
+SLEEP = 3                   # int32 word of a rank's line: set while it may block in FUTEX_WAIT
 SIG_WORDS = 8               # int64 signature words per slot; two slots at bytes 64 and 128
 REASON_AT = 192             # a rank's abort reason (text) fills the rest of its line
 DEFAULT_SLOT_BYTES = 4 << 20
@@ -56,8 +61,13 @@ def _futex_wait(addr: int, expected: int, seconds: float) -> None:
                   ctypes.byref(ts), None, 0)
 
 
-def _futex_wake(addr: int) -> None:
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAKE, ctypes.c_int(0x7FFFFFFF), None, None, 0)
+_ALL = ctypes.c_int(0x7FFFFFFF)
+
+
+def _futex_wake(addr: ctypes.c_void_p) -> None:
+    """Wake every waiter on the word at ``addr``, a premade c_void_p: a rank wakes its own
+    epoch word on every sync, and making the ctypes argument there cost a third of the call."""
+    _libc.syscall(_SYS_FUTEX, addr, _FUTEX_WAKE, _ALL, None, None, 0)
 
 
 SPIN_SECONDS = 0.002
@@ -95,6 +105,11 @@ def _tell_oversubscribed(ranks: int, threads: int, cores: int) -> None:
                 ranks, threads, cores)
 
 
+@functools.lru_cache(maxsize=None)
+def _pack_words(n: int):
+    return struct.Struct(f"{n}q").pack_into
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
@@ -129,10 +144,13 @@ class ShmArena:
         self.epoch = 0
         self.spin = spin_budget(size, tell=local_rank == 0)
         w = self.me * LINE // 4
+        self._my_epoch = ctypes.c_void_p(self._base + w * 4)
+        self._peer_sleep_words = tuple(r * LINE // 4 + SLEEP for r in range(size) if r != local_rank)
         self._ctrl[w + 2] = os.getpid()
         self.closed = False
         self.pids: list[int] | None = None
         self._typed: dict = {}
+        self._np_views: dict = {}
         self.rounds = 0
         self._unsynced_round = False
         self.ops = 0
@@ -169,7 +187,7 @@ class ShmArena:
         """
         if new_op:
             self.ops += 1
-        struct.pack_into(f"{len(words)}q", self.mm, 8 * self._sig_base(self.me), *words)
+        _pack_words(len(words))(self.mm, 8 * self._sig_base(self.me), *words)
 
     def _sig_base(self, rank: int) -> int:
         return rank * LINE // 8 + 8 + (self.ops & 1) * SIG_WORDS
@@ -197,17 +215,20 @@ class ShmArena:
                             f"but " + ", ".join(others.values()), rank=self.ranks[self.me],
                             peer=next(iter(others)))
 
-    def numpy_slots(self, parity: int, dtype: np.dtype) -> list[np.ndarray]:
-        """Every local rank's staging slot for ``parity`` as numpy arrays, in rank order
-        (the small-message path: numpy calls cost less than torch's)."""
-        key = (parity, dtype)
-        views = self._typed.get(key)
+    def numpy_slots(self, parity: int, dtype: np.dtype, count: int | None = None) -> list[np.ndarray]:
+        """Every local rank's staging slot for ``parity`` as numpy arrays, in rank order,
+        whole or their first ``count`` elements (the small-message path: numpy calls cost
+        less than torch's, and views made once cost nothing)."""
+        key = (parity, dtype, count)
+        views = self._np_views.get(key)
         if views is None:
-            count = self.slot_bytes // dtype.itemsize
-            views = [np.frombuffer(self.mm, dtype=dtype, count=count,
+            if len(self._np_views) >= 256:   # many distinct small sizes: start over
+                self._np_views.clear()
+            n = self.slot_bytes // dtype.itemsize if count is None else count
+            views = [np.frombuffer(self.mm, dtype=dtype, count=n,
                                    offset=self.ctrl_bytes + (2 * rank + parity) * self.slot_bytes)
                      for rank in range(self.size)]
-            self._typed[key] = views
+            self._np_views[key] = views
         return views
 
     # -- sync ----------------------------------------------------------------------------
@@ -221,7 +242,12 @@ class ShmArena:
         if ctrl[me_word + 1]:
             raise PeerClosedError(f"{what}: shared-memory group was aborted", rank=self.ranks[self.me])
         ctrl[me_word] = target
-        _futex_wake(self._base + me_word * 4)
+        # A futex wake is a system call (0.8 us); make it only when a peer may be asleep.
+        for w in self._peer_sleep_words:
+            if ctrl[w]:
+                _futex_wake(self._my_epoch)
+                break
+        slept = False
         for r in range(self.size):
             if r == self.me:
                 continue
@@ -249,10 +275,14 @@ class ShmArena:
                                            f"rank {self.ranks[r]} in shared memory (it is at sync "
                                            f"{v}, this rank at {target})",
                                            rank=self.ranks[self.me], peer=self.ranks[r])
+                if not slept:
+                    ctrl[me_word + SLEEP] = slept = 1
                 _futex_wait(self._base + word * 4, v, min(left, WAIT_SLICE, slow_wait.due(now)))
                 if self.pids is not None and ctrl[word] == v and not _alive(self.pids[r]):
                     raise PeerClosedError(f"{what}: rank {self.ranks[r]} (pid {self.pids[r]}) died",
                                           rank=self.ranks[self.me], peer=self.ranks[r])
+        if slept:
+            ctrl[me_word + SLEEP] = 0
 
     def _reason(self, rank: int) -> str:
         start = rank * LINE + REASON_AT
@@ -270,7 +300,7 @@ class ShmArena:
         # barrier it legitimately passed is not misled; the wake makes waiters re-check.
         w = self.me * LINE // 4
         self._ctrl[w + 1] = 1
-        _futex_wake(self._base + w * 4)
+        _futex_wake(self._my_epoch)
 
     def close(self) -> None:
         if self.closed:
@@ -283,6 +313,7 @@ class ShmArena:
         self._words.release()
         del self._ctrl, self._sig, self._slots, self._words
         self._typed.clear()
+        self._np_views.clear()
         try:
             self.mm.close()
         except BufferError:

@@ -80,6 +80,8 @@ def _rounds(n: int, cap: int):
 class _Barriers:
     """The first barrier of a collective also checks everyone's signature."""
 
+    __slots__ = ("arena", "words", "deadline", "what", "first", "round0", "tracer", "count", "t")
+
     def __init__(self, arena: ShmArena, words: tuple[int, ...], deadline: float, what: str) -> None:
         self.arena, self.words, self.deadline, self.what = arena, words, deadline, what
         self.first = True
@@ -125,25 +127,24 @@ def round_bytes(words, rnd: int, slot_bytes: int, size: int) -> int | None:
 
 
 def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float, what: str) -> None:
-    L, me, dt = arena.size, arena.me, t.dtype
+    n, dt = t.numel(), t.dtype
     barrier = _Barriers(arena, words, deadline, what)
-    n = t.numel()
     if red.ufunc is not None and n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes) and \
-            (dt is not torch.float16 or n <= 128):
+            (n <= 128 or dt is not torch.float16):
         # numpy: a small message's cost is call overhead, and numpy's is a third of torch's
         # (but numpy computes float16 in software: 230 us against torch's 5 us at 32768).
         # (Exactly one parity step per round: skipping one would let a rank overwrite a
         # slot half that a slower peer is still reading.)
-        p = arena.next_parity()
         tn = t.numpy()
-        slots = arena.numpy_slots(p, tn.dtype, n)
-        np.copyto(slots[me], tn)
+        slots = arena.numpy_slots(arena.next_parity(), tn.dtype, n)
+        np.copyto(slots[arena.me], tn)
         barrier()
-        if L > 1:
+        if len(slots) > 1:
             red.np_combine(slots[0], slots[1], tn)
-            for q in range(2, L):
+            for q in range(2, len(slots)):
                 red.np_combine(tn, slots[q], tn)
         return
+    L, me = arena.size, arena.me
     if L == 2 and n * dt.itemsize > ONE_SHOT_BYTES:
         return _all_reduce_pair(arena, t, red, barrier)
     if L <= 2 or n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):

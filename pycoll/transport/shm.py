@@ -187,9 +187,10 @@ class ShmArena:
         """
         if new_op:
             self.ops += 1
-        _pack_words(len(words))(self.mm, 8 * self._sig_base(self.me), *words)
+        _pack_words(len(words))(self.mm, self.me * LINE + 64 + (self.ops & 1) * 8 * SIG_WORDS, *words)
 
     def _sig_base(self, rank: int) -> int:
+        # (publish and check_signatures compute the same offset in bytes, inline)
         return rank * LINE // 8 + 8 + (self.ops & 1) * SIG_WORDS
 
     def peer_word(self, rank: int, index: int) -> int:
@@ -199,10 +200,10 @@ class ShmArena:
     def check_signatures(self, words: tuple[int, ...], describe) -> None:
         """After a sync: raise MismatchError naming every local rank that published other words."""
         n = len(words)
-        mm, nbytes, start = self.mm, 8 * n, 8 * self._sig_base(0)
-        mine = mm[start + self.me * LINE:start + self.me * LINE + nbytes]
-        for r in range(self.size):    # the common path: one bytes compare per rank
-            at = start + r * LINE
+        mm, nbytes, start = self.mm, 8 * n, 64 + (self.ops & 1) * 8 * SIG_WORDS
+        at = start + self.me * LINE
+        mine = mm[at:at + nbytes]
+        for at in range(start, start + self.size * LINE, LINE):  # the common path: a bytes compare a rank
             if mm[at:at + nbytes] != mine:
                 break
         else:

@@ -11,10 +11,10 @@ mappings, so ``kill -9`` of any rank at any time leaves nothing in /dev/shm.
 
 Sync: ``sync()`` is a barrier over epochs. Each rank owns its epoch word (single writer, so
 a plain store suffices on x86's ordered stores). A waiter spins briefly (only where every
-rank has a core: ``spin_budget``), then raises its sleep word and blocks in FUTEX_WAIT in
-slices of 50 ms, between which it checks the deadline, peers' abort flags and whether the
-peer's process still exists. A rank blocked in a barrier therefore uses no CPU, and a dead
-peer is noticed within 50 ms. A rank that advances its epoch calls FUTEX_WAKE only when a
+rank has a core: ``spin_budget``; longer in the barrier after one that slept), then raises
+its sleep word and blocks in FUTEX_WAIT in slices of 50 ms, between which it checks the
+deadline, peers' abort flags and whether the peer's process still exists. A rank blocked in
+a barrier therefore uses almost no CPU, and a dead peer is noticed within 50 ms. A rank that advances its epoch calls FUTEX_WAKE only when a
 peer's sleep word is up. (The waiter's sleep word is ordered before its epoch read by the
 kernel's barrier in FUTEX_WAIT; the waker's epoch store and sleep-word load have no fence
 between them, so in theory a wake-up can be missed: the cost is one wait slice, never a hang.)
@@ -71,6 +71,11 @@ def _futex_wake(addr: ctypes.c_void_p) -> None:
 
 
 SPIN_SECONDS = 0.002
+# The barrier after one that slept spins longer: the peer that woke this rank is now the
+# one waiting, for as long as this rank's wake-up took. Where a wake-up takes longer than
+# SPIN_SECONDS (seen on this VM in slow phases), two ranks otherwise fall into waking each
+# other, op after op: 8 B all_reduces at ~2 ms for a while instead of 35 us.
+SPIN_AFTER_SLEEP = 0.016
 
 
 def spin_budget(local_ranks: int, tell: bool = False) -> float:
@@ -143,6 +148,7 @@ class ShmArena:
                                        count=2 * size * self.slot_bytes)
         self.epoch = 0
         self.spin = spin_budget(size, tell=local_rank == 0)
+        self._spin_now = self.spin   # this barrier's budget: SPIN_AFTER_SLEEP after one that slept
         w = self.me * LINE // 4
         self._my_epoch = ctypes.c_void_p(self._base + w * 4)
         self._peer_sleep_words = tuple(r * LINE // 4 + SLEEP for r in range(size) if r != local_rank)
@@ -265,8 +271,8 @@ class ShmArena:
                                           rank=self.ranks[self.me], peer=self.ranks[r])
                 if self.spin:
                     now = time.perf_counter()
-                    if spin_end is None:
-                        spin_end = now + self.spin
+                    if spin_end is None:   # (a partial all-reduce's activation hook is not kept waiting)
+                        spin_end = now + min(self._spin_now, slow_wait.due(time.monotonic()))
                     if now < spin_end:
                         continue
                 now = time.monotonic()
@@ -284,6 +290,9 @@ class ShmArena:
                                           rank=self.ranks[self.me], peer=self.ranks[r])
         if slept:
             ctrl[me_word + SLEEP] = 0
+            self._spin_now = SPIN_AFTER_SLEEP if self.spin else 0.0
+        else:
+            self._spin_now = self.spin
 
     def _reason(self, rank: int) -> str:
         start = rank * LINE + REASON_AT

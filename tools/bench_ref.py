@@ -112,15 +112,14 @@ def memcpy_per_rank(seconds: float, procs: int, nbytes: int = 64 << 20) -> float
 def all_reduce_bound(per_rank_copy: float, world: int) -> float:
     """busbw bound of a one-host all_reduce from the per-rank copy rate (docs/performance.md).
 
-    Least memory traffic of any shared-memory all_reduce, per rank, for n bytes: read all P
-    contributions to its 1/P slice (n), write that slice (n/P), read the other P-1 reduced
-    slices and write them into its output (2 (P-1)/P n): (2 + (P-1)/P) n bytes, which is
-    (2 + (P-1)/P) / 2 copies of n bytes; so algbw <= copy rate / that, busbw = algbw 2(P-1)/P.
+    Whatever the algorithm, each rank reads its whole input (n bytes) and writes its whole
+    output (n bytes) once; for a message far larger than the caches that is memory traffic,
+    one copy of n bytes, while staging and peers' data can stay in cache. So algbw <= the
+    copy rate each rank gets while all copy at once, and busbw = algbw 2(P-1)/P.
     """
     if world < 2:
         return float("inf")
-    copies = (2 + (world - 1) / world) / 2
-    return per_rank_copy / copies * 2 * (world - 1) / world
+    return per_rank_copy * 2 * (world - 1) / world
 
 
 def measure(seconds: float, world: int = 2) -> dict:

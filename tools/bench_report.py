@@ -139,7 +139,7 @@ def format_header(result: dict, order: list[str]) -> str:
             lines.append(f"# reference, this run: {ref['memcpy_per_rank_GBps']:.2f} GB/s copied by each "
                          f"of {m['world_size']} one-thread processes at once{when}; one-host all_reduce "
                          f"busbw bound {ref['all_reduce_shm_bound_busbw_GBps']:.2f} GB/s "
-                         f"(least-traffic model, docs/performance.md)")
+                         f"(one copy per rank, docs/performance.md)")
     for b, text in result["info"].items():
         lines.append(f"# {b}: {text}")
     for b, text in result["notes"].items():

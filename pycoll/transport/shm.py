@@ -76,6 +76,10 @@ SPIN_SECONDS = 0.002
 # SPIN_SECONDS (seen on this VM in slow phases), two ranks otherwise fall into waking each
 # other, op after op: 8 B all_reduces at ~2 ms for a while instead of 35 us.
 SPIN_AFTER_SLEEP = 0.016
+# A spinning rank yields its core this often. When something else needs that core (another
+# thread, or the peer rank itself when the scheduler put both ranks on one core), a spin that
+# never yields holds it for the whole budget: runs of small ops at ~2 ms each in bench sweeps.
+YIELD_EVERY = 50e-6
 
 
 def spin_budget(local_ranks: int, tell: bool = False) -> float:
@@ -273,7 +277,13 @@ class ShmArena:
                     now = time.perf_counter()
                     if spin_end is None:   # (a partial all-reduce's activation hook is not kept waiting)
                         spin_end = now + min(self._spin_now, slow_wait.due(time.monotonic()))
+                        yield_at = now + YIELD_EVERY
                     if now < spin_end:
+                        if now > yield_at:
+                            # Let a thread that waits for this core run (the peer itself, when
+                            # the scheduler put both ranks on one core for a while).
+                            os.sched_yield()
+                            yield_at = now + YIELD_EVERY
                         continue
                 now = time.monotonic()
                 left = deadline - now

@@ -72,14 +72,10 @@ def _futex_wake(addr: ctypes.c_void_p) -> None:
 
 SPIN_SECONDS = 0.002
 # The barrier after one that slept spins longer: the peer that woke this rank is now the
-# one waiting, for as long as this rank's wake-up took. Where a wake-up takes longer than
-# SPIN_SECONDS (seen on this VM in slow phases), two ranks otherwise fall into waking each
-# other, op after op: 8 B all_reduces at ~2 ms for a while instead of 35 us.
+# one waiting, for as long as this rank's wake-up took. A wake-up slower than SPIN_SECONDS
+# would otherwise make the two ranks wake each other late op after op, as the 0.3 ms spin
+# did with ordinary wake-ups (docs/shm.md); with this, such a run ends after one op.
 SPIN_AFTER_SLEEP = 0.016
-# A spinning rank yields its core this often. When something else needs that core (another
-# thread, or the peer rank itself when the scheduler put both ranks on one core), a spin that
-# never yields holds it for the whole budget: runs of small ops at ~2 ms each in bench sweeps.
-YIELD_EVERY = 50e-6
 
 
 def spin_budget(local_ranks: int, tell: bool = False) -> float:
@@ -277,13 +273,7 @@ class ShmArena:
                     now = time.perf_counter()
                     if spin_end is None:   # (a partial all-reduce's activation hook is not kept waiting)
                         spin_end = now + min(self._spin_now, slow_wait.due(time.monotonic()))
-                        yield_at = now + YIELD_EVERY
                     if now < spin_end:
-                        if now > yield_at:
-                            # Let a thread that waits for this core run (the peer itself, when
-                            # the scheduler put both ranks on one core for a while).
-                            os.sched_yield()
-                            yield_at = now + YIELD_EVERY
                         continue
                 now = time.monotonic()
                 left = deadline - now

@@ -37,6 +37,8 @@ from .work import Work
 log = logging.getLogger("pycoll")
 
 Task = Callable[[int, float], None]  # fn(seq, deadline)
+# torch._C's setter: the public torch.set_grad_enabled is a context-manager class, and
+# constructing it costs three times as much on every op
 _grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
 
 

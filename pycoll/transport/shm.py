@@ -14,10 +14,11 @@ a plain store suffices on x86's ordered stores). A waiter spins briefly (only wh
 rank has a core: ``spin_budget``; longer in the barrier after one that slept), then raises
 its sleep word and blocks in FUTEX_WAIT in slices of 50 ms, between which it checks the
 deadline, peers' abort flags and whether the peer's process still exists. A rank blocked in
-a barrier therefore uses almost no CPU, and a dead peer is noticed within 50 ms. A rank that advances its epoch calls FUTEX_WAKE only when a
-peer's sleep word is up. (The waiter's sleep word is ordered before its epoch read by the
-kernel's barrier in FUTEX_WAIT; the waker's epoch store and sleep-word load have no fence
-between them, so in theory a wake-up can be missed: the cost is one wait slice, never a hang.)
+a barrier therefore uses almost no CPU, and a dead peer is noticed within 50 ms. A rank that
+advances its epoch calls FUTEX_WAKE only when a peer's sleep word is up. (The waiter's sleep
+word is ordered before its epoch read by the kernel's barrier in FUTEX_WAIT; the waker's
+epoch store and sleep-word load have no fence between them, so in theory a wake-up can be
+missed: the cost is one wait slice, never a hang.)
 """
 
 from __future__ import annotations

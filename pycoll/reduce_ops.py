@@ -164,6 +164,7 @@ def op_factor(op) -> float | None:
 
 _CACHE: dict = {}
 _SUM = dist.ReduceOp.SUM
+_SUM_KEY = int(_SUM)   # the key the general path below makes for SUM
 
 
 def make_reduction(op, dtype: torch.dtype, world_size: int) -> Reduction:
@@ -174,7 +175,7 @@ def make_reduction(op, dtype: torch.dtype, world_size: int) -> Reduction:
     if type(op) is dist.ReduceOp and op == _SUM:
         # c10d's common case, in one comparison: reading .op off a ReduceOp and turning the
         # pybind enum into something hashable costs 0.8 us on every call
-        key = (0, dtype, world_size)
+        key = (_SUM_KEY, dtype, world_size)
     else:
         inner = op.op if type(op) is dist.ReduceOp else op
         key = (int(inner) if isinstance(inner, dist.ReduceOp.RedOpType) else inner, dtype, world_size)

@@ -347,4 +347,3 @@ def test_the_barrier_after_a_sleep_spins_long_enough_to_catch_a_late_waker():
             if a is not None:
                 a.close()
     assert results == [[]], f"rank 0 slept in the barrier after a sleep: {results}"
-

@@ -194,21 +194,21 @@ class ShmArena:
         """
         if new_op:
             self.ops += 1
-        _pack_words(len(words))(self.mm, self.me * LINE + 64 + (self.ops & 1) * 8 * SIG_WORDS, *words)
+        _pack_words(len(words))(self.mm, self._sig_at(self.me), *words)
 
-    def _sig_base(self, rank: int) -> int:
-        # (publish and check_signatures compute the same offset in bytes, inline)
-        return rank * LINE // 8 + 8 + (self.ops & 1) * SIG_WORDS
+    def _sig_at(self, rank: int) -> int:
+        """Byte offset of local rank ``rank``'s signature slot for the current collective."""
+        return rank * LINE + 64 + (self.ops & 1) * 8 * SIG_WORDS
 
     def peer_word(self, rank: int, index: int) -> int:
         """Signature word ``index`` that local rank ``rank`` published for this collective."""
-        return int(self._sig[self._sig_base(rank) + index])
+        return int(self._sig[self._sig_at(rank) // 8 + index])
 
     def check_signatures(self, words: tuple[int, ...], describe) -> None:
         """After a sync: raise MismatchError naming every local rank that published other words."""
         n = len(words)
-        mm, nbytes, start = self.mm, 8 * n, 64 + (self.ops & 1) * 8 * SIG_WORDS
-        at = start + self.me * LINE
+        mm, nbytes, start = self.mm, 8 * n, self._sig_at(0)
+        at = self._sig_at(self.me)
         mine = mm[at:at + nbytes]
         for at in range(start, start + self.size * LINE, LINE):  # the common path: a bytes compare a rank
             if mm[at:at + nbytes] != mine:
@@ -291,9 +291,7 @@ class ShmArena:
                                           rank=self.ranks[self.me], peer=self.ranks[r])
         if slept:
             ctrl[me_word + SLEEP] = 0
-            self._spin_now = SPIN_AFTER_SLEEP if self.spin else 0.0
-        else:
-            self._spin_now = self.spin
+        self._spin_now = SPIN_AFTER_SLEEP if slept else self.spin   # (read only when self.spin)
 
     def _reason(self, rank: int) -> str:
         start = rank * LINE + REASON_AT

@@ -14,6 +14,8 @@ collectives take the flat TCP schedule across all ranks.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import shm_collectives as shm
@@ -34,11 +36,26 @@ def _local_root(comm, root: int) -> int:
     return comm.arena.ranks.index(root)
 
 
+def all_reduce_task(comm, t: torch.Tensor, red: Reduction):
+    """The task that all-reduces flat ``t``: ``all_reduce`` bound to its arguments, or, for a
+    message that one shared-memory round holds, ``small_all_reduce``: the latency path,
+    chosen here once so that running it costs two Python frames and their checks fewer."""
+    if comm.mode == "shm" and red.factor is None and shm.is_small_all_reduce(comm.arena, t, red):
+        return functools.partial(small_all_reduce, comm.arena, t, red)
+    return functools.partial(all_reduce, comm, t, red)
+
+
+def small_all_reduce(arena, t: torch.Tensor, red: Reduction, seq: int, deadline: float) -> None:
+    shm.small_all_reduce(arena, t, red, shm.signature("all_reduce", seq, t.dtype, t.numel(), red.name),
+                         deadline, f"all_reduce seq {seq}")
+    red.finish(t)
+
+
 def all_reduce(comm, t: torch.Tensor, red: Reduction, seq: int, deadline: float) -> None:
     red.prepare(t)
     if comm.mode == "shm":
-        words = shm.signature("all_reduce", seq, t.dtype, t.numel(), red.name)
-        shm.all_reduce(comm.arena, t, red, words, deadline, _what("all_reduce", seq))
+        shm.all_reduce(comm.arena, t, red, shm.signature("all_reduce", seq, t.dtype, t.numel(), red.name),
+                       deadline, f"all_reduce seq {seq}")
     elif comm.mode == "hierarchical":
         _hierarchical_all_reduce(comm, t, red, seq, deadline)
     else:

@@ -32,7 +32,7 @@ from .transport.shm import ShmArena
 from .transport.tcp import TcpTransport
 from .transport.tcp_mesh import build_mesh
 from .tuning import Tuner
-from .work import Work
+from .work import Work, finished
 
 log = logging.getLogger("pycoll")
 
@@ -146,7 +146,7 @@ class Communicator:
                 error = self._run(op, seq, timeout, task)
             finally:
                 self._release()
-            return Work(op, seq, outputs, done=True, error=error)
+            return finished(op, seq, outputs, error)
         if inline:
             self._drive(work)
         return work

@@ -43,6 +43,7 @@ from .reduce_ops import Reduction
 from .transport.shm import ShmArena
 
 ONE_SHOT_BYTES = 64 << 10
+_FLOAT16 = torch.float16
 # Two-rank all_reduce rounds of 1 MiB rather than the whole 4 MiB slot: medians of 6 runs
 # each, 2026-12-03, busbw at 4 / 16 / 64 MiB: 6.5 / 4.9 / 5.7 GB/s against 5.1 / 4.1 / 3.5
 # with 4 MiB rounds (512 KiB rounds: 5.7 / 5.3 / 6.2; 2 MiB: 4.6 / 4.3 / 4.9).
@@ -54,9 +55,13 @@ DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.i
 REDOPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor", "avg", "premul_sum")
 
 
+# Word values by name: a dict lookup costs a third of tuple.index on the latency path.
+_OP_WORD, _DTYPE_WORD, _REDOP_WORD = ({v: i for i, v in enumerate(names)} for names in (OPS, DTYPES, REDOPS))
+
+
 def signature(op: str, seq: int, dtype: torch.dtype, numel: int, redop: str = "", root: int = -1,
               extra: int = 0) -> tuple[int, ...]:
-    return (OPS.index(op), seq, DTYPES.index(dtype), numel, REDOPS.index(redop), root, extra)
+    return (_OP_WORD[op], seq, _DTYPE_WORD[dtype], numel, _REDOP_WORD[redop], root, extra)
 
 
 def describe(words: tuple[int, ...]) -> str:
@@ -131,23 +136,10 @@ def round_bytes(words, rnd: int, slot_bytes: int, size: int) -> int | None:
 
 
 def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float, what: str) -> None:
+    if is_small_all_reduce(arena, t, red):
+        return small_all_reduce(arena, t, red, words, deadline, what)
     n, dt = t.numel(), t.dtype
     barrier = _Barriers(arena, words, deadline, what)
-    if red.ufunc is not None and n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes) and \
-            (n <= 128 or dt is not torch.float16):
-        # numpy: a small message's cost is call overhead, and numpy's is a third of torch's
-        # (but numpy computes float16 in software: 230 us against torch's 5 us at 32768).
-        # (Exactly one parity step per round: skipping one would let a rank overwrite a
-        # slot half that a slower peer is still reading.)
-        tn = t.numpy()
-        slots = arena.numpy_slots(arena.next_parity(), tn.dtype, n)
-        np.copyto(slots[arena.me], tn)
-        barrier()
-        if len(slots) > 1:
-            red.np_combine(slots[0], slots[1], tn)
-            for q in range(2, len(slots)):
-                red.np_combine(tn, slots[q], tn)
-        return
     L, me = arena.size, arena.me
     if L == 2 and n * dt.itemsize > ONE_SHOT_BYTES:
         return _all_reduce_pair(arena, t, red, barrier)
@@ -179,6 +171,32 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
         barrier()
         for q, (lo, size) in enumerate(bounds):
             copy(t[off + lo:off + lo + size], slots[q][lo:lo + size])
+
+
+def is_small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction) -> bool:
+    """Whether all_reduce of ``t`` takes the one-round numpy form (small_all_reduce)."""
+    n = t.numel()
+    nbytes = n * t.dtype.itemsize
+    return (red.ufunc is not None and nbytes <= ONE_SHOT_BYTES and nbytes <= arena.slot_bytes
+            and (n <= 128 or t.dtype is not _FLOAT16))
+
+
+def small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float,
+                     what: str) -> None:
+    """One round in numpy: a small message's cost is call overhead, and numpy's is a third of
+    torch's (but numpy computes float16 in software: 230 us against torch's 5 us at 32768).
+    For the calls that ``is_small_all_reduce`` accepts."""
+    barrier = _Barriers(arena, words, deadline, what)
+    tn = kernels.numpy_at(t)
+    # (Exactly one parity step per round: skipping one would let a rank overwrite a slot
+    # half that a slower peer is still reading.)
+    slots = arena.numpy_slots(arena.next_parity(), tn.dtype, t.numel())
+    np.copyto(slots[arena.me], tn)
+    barrier()
+    if len(slots) > 1:
+        red.np_combine(slots[0], slots[1], tn)
+        for q in range(2, len(slots)):
+            red.np_combine(tn, slots[q], tn)
 
 
 def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) -> None:

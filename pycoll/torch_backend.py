@@ -19,7 +19,7 @@ from . import collectives as C
 from .group import Communicator
 from .reduce_ops import make_reduction
 from .torch_p2p import PointToPoint
-from .validation import (check_root, check_tensor, check_tensors, flat, flat_out, same_dtype,
+from .validation import (_noop, check_root, check_tensor, check_tensors, flat, flat_out, same_dtype,
                          unflatten_into)
 from .work import Work, completed
 from .cuda.dispatch import install as _install_cuda_dispatch
@@ -76,11 +76,8 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         (t,) = check_tensors(tensors, "allreduce", exactly=1)
         red = make_reduction(opts.reduceOp, t.dtype, self._size)
         f, back = flat(t)
-
-        def task(seq, deadline):
-            C.all_reduce(self._comm, f, red, seq, deadline)
-            back()
-        return self._submit("all_reduce", [t], task, opts)
+        task = C.all_reduce_task(self._comm, f, red)
+        return self._submit("all_reduce", [t], task if back is _noop else _then(task, back), opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
@@ -311,6 +308,14 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         if not works:
             return completed("coalesced", [])
         return works[-1]  # ops complete in issue order, so the last one finishing covers all
+
+
+def _then(task, after):
+    """``task``, then ``after()`` (a write-back into a non-contiguous tensor)."""
+    def run(seq: int, deadline: float) -> None:
+        task(seq, deadline)
+        after()
+    return run
 
 
 def _op_timeout(opts) -> float | None:

@@ -30,16 +30,14 @@ class Work(dist.Work):
     _gate = None
     op_timeout: float | None = None
 
-    def __init__(self, op: str, seq: int, outputs: list[torch.Tensor], driver=None,
-                 done: bool = False, error: BaseException | None = None) -> None:
+    _driver = None
+
+    def __init__(self, op: str, seq: int, outputs: list[torch.Tensor], driver=None) -> None:
         super().__init__()
         self.op, self.seq = op, seq
         self._outputs = outputs
         self._driver = driver  # callable(work) that runs queued ops up to this one
-        self._done = done
-        if done:    # finished at birth (a blocking op that already ran): nothing to wait on
-            self._error = error
-            return
+        self._done = False
         # Held from creation to completion: waiting is acquiring it. Cheaper to make than
         # an Event, and most Works are waited on once, at once.
         self._gate = threading.Lock()
@@ -120,6 +118,24 @@ class Work(dist.Work):
         return f"<pycoll.Work {self.op} seq={self.seq} {state}>"
 
 
+class _Finished(Work):
+    """A Work finished at birth: nothing to wait on, so no gate."""
+
+    # pybind's own constructor: a Python __init__ (Work's) would double the cost of making
+    # one, and a blocking op makes one on every call's latency path.
+    __init__ = dist.Work.__init__
+    _done = True
+
+
+def finished(op: str, seq: int, outputs: list[torch.Tensor], error: BaseException | None = None) -> Work:
+    """A Work for an op that already ran (``error``: how it failed; None: it succeeded)."""
+    w = _Finished()
+    w.op, w.seq, w._outputs = op, seq, outputs
+    if error is not None:
+        w._error = error
+    return w
+
+
 def completed(op: str, outputs: list[torch.Tensor]) -> Work:
     """An already finished Work (for no-op calls such as world size 1 point-to-point)."""
-    return Work(op, -1, outputs, done=True)
+    return finished(op, -1, outputs)

@@ -84,6 +84,30 @@ def test_avg_and_premul_on_large_tensors(dtype):
         assert torch.equal(got, x * 1.5)
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d is not torch.bfloat16])  # (numpy has none)
+def test_numpy_at_is_the_tensors_own_memory(dtype):
+    base = _data(9, dtype, 3)
+    t = base[2:7]                     # an offset into a storage: the address says where
+    view = kernels.numpy_at(t)
+    assert torch.equal(torch.from_numpy(view.copy()), t)
+    view[0] = view[4]                 # writes land in the tensor
+    assert torch.equal(t[0], t[4]) and torch.equal(base[2], base[6])
+    if not dtype.is_complex:
+        assert kernels.numpy_at(t) is view    # made once per (address, size, dtype)
+    assert kernels.numpy_at(base[2:6]).shape == (4,)   # same address, other size: its own view
+
+
+def test_numpy_at_needs_no_grad_mode_and_stays_bounded():
+    p = torch.nn.Parameter(torch.ones(3))
+    kernels.numpy_at(p)[:] = 2        # a leaf that requires grad, as in dist.all_reduce(param)
+    assert torch.equal(p.detach(), torch.full((3,), 2.0))
+    keep = [torch.ones(i + 1) for i in range(3 * kernels._VIEWS_MAX)]
+    for x in keep:
+        kernels.numpy_at(x)
+    assert len(kernels._VIEWS) <= kernels._VIEWS_MAX
+    assert kernels.numpy_at(torch.empty(0)).shape == (0,)
+
+
 def test_spin_only_where_every_rank_and_thread_has_a_core():
     cores = len(os.sched_getaffinity(0))
     threads = torch.get_num_threads()

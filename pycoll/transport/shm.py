@@ -153,6 +153,9 @@ class ShmArena:
         w = self.me * LINE // 4
         self._my_epoch = ctypes.c_void_p(self._base + w * 4)
         self._peer_sleep_words = tuple(r * LINE // 4 + SLEEP for r in range(size) if r != local_rank)
+        # Byte offset of every local rank's signature slot, by collective parity (see publish).
+        self._sig_offsets = tuple(tuple(r * LINE + 64 + parity * 8 * SIG_WORDS for r in range(size))
+                                  for parity in (0, 1))
         self._ctrl[w + 2] = os.getpid()
         self.closed = False
         self.pids: list[int] | None = None
@@ -194,11 +197,11 @@ class ShmArena:
         """
         if new_op:
             self.ops += 1
-        _pack_words(len(words))(self.mm, self._sig_at(self.me), *words)
+        _pack_words(len(words))(self.mm, self._sig_offsets[self.ops & 1][self.me], *words)
 
     def _sig_at(self, rank: int) -> int:
         """Byte offset of local rank ``rank``'s signature slot for the current collective."""
-        return rank * LINE + 64 + (self.ops & 1) * 8 * SIG_WORDS
+        return self._sig_offsets[self.ops & 1][rank]
 
     def peer_word(self, rank: int, index: int) -> int:
         """Signature word ``index`` that local rank ``rank`` published for this collective."""
@@ -207,14 +210,15 @@ class ShmArena:
     def check_signatures(self, words: tuple[int, ...], describe) -> None:
         """After a sync: raise MismatchError naming every local rank that published other words."""
         n = len(words)
-        mm, nbytes, start = self.mm, 8 * n, self._sig_at(0)
-        at = self._sig_at(self.me)
+        mm, nbytes, offsets = self.mm, 8 * n, self._sig_offsets[self.ops & 1]
+        at = offsets[self.me]
         mine = mm[at:at + nbytes]
-        for at in range(start, start + self.size * LINE, LINE):  # the common path: a bytes compare a rank
+        for at in offsets:  # the common path: a bytes compare a rank
             if mm[at:at + nbytes] != mine:
                 break
         else:
             return
+        start = offsets[0]
         lines = self._sig.reshape(-1, LINE // 8)[:self.size]
         block = lines[:, start // 8:start // 8 + n]
         others = {self.ranks[r]: f"rank {self.ranks[r]} called {describe(tuple(int(x) for x in row))}"

@@ -78,19 +78,16 @@ try:
     from numpy._core._ufunc_config import _extobj_contextvar as _FP_STATE, _make_extobj
     _FP_QUIET = _make_extobj(all="ignore")
 
-    def quiet_floats_begin():
-        return _FP_STATE.set(_FP_QUIET)
-
-    def quiet_floats_end(token) -> None:
-        _FP_STATE.reset(token)
+    def _quietly(ufunc, a, b, out) -> None:
+        token = _FP_STATE.set(_FP_QUIET)
+        try:
+            ufunc(a, b, out=out)
+        finally:
+            _FP_STATE.reset(token)
 except (ImportError, TypeError):   # pragma: no cover - numpy < 2
-    def quiet_floats_begin():
-        state = np.errstate(all="ignore")
-        state.__enter__()
-        return state
-
-    def quiet_floats_end(token) -> None:
-        token.__exit__(None, None, None)
+    def _quietly(ufunc, a, b, out) -> None:
+        with np.errstate(all="ignore"):
+            ufunc(a, b, out=out)
 
 
 @dataclass(frozen=True)
@@ -121,11 +118,7 @@ class Reduction:
     def np_combine(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
         """``out = a op b`` on numpy arrays (``ufunc`` must be set); float overflow gives inf
         without numpy's warning, as in torch."""
-        token = quiet_floats_begin()
-        try:
-            self.ufunc(a, b, out=out)
-        finally:
-            quiet_floats_end(token)
+        _quietly(self.ufunc, a, b, out)
 
     def prepare(self, t: torch.Tensor) -> None:
         """Scale a working copy of the local contribution in place (PREMUL_SUM)."""

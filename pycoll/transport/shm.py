@@ -150,9 +150,10 @@ class ShmArena:
         self.epoch = 0
         self.spin = spin_budget(size, tell=local_rank == 0)
         self._spin_now = self.spin   # this barrier's budget: SPIN_AFTER_SLEEP after one that slept
-        w = self.me * LINE // 4
+        w = self._me_word = self.me * LINE // 4
         self._my_epoch = ctypes.c_void_p(self._base + w * 4)
-        self._peer_sleep_words = tuple(r * LINE // 4 + SLEEP for r in range(size) if r != local_rank)
+        self._peer_epoch_words = tuple((r, r * LINE // 4) for r in range(size) if r != local_rank)
+        self._peer_sleep_words = tuple(word + SLEEP for _, word in self._peer_epoch_words)
         # Byte offset of every local rank's signature slot, by collective parity (see publish).
         self._sig_offsets = tuple(tuple(r * LINE + 64 + parity * 8 * SIG_WORDS for r in range(size))
                                   for parity in (0, 1))
@@ -249,7 +250,7 @@ class ShmArena:
         self.epoch += 1
         self._unsynced_round = False
         target = self.epoch
-        me_word = self.me * LINE // 4
+        me_word = self._me_word
         ctrl = self._words
         if ctrl[me_word + 1]:
             raise PeerClosedError(f"{what}: shared-memory group was aborted", rank=self.ranks[self.me])
@@ -260,10 +261,7 @@ class ShmArena:
                 _futex_wake(self._my_epoch)
                 break
         slept = False
-        for r in range(self.size):
-            if r == self.me:
-                continue
-            word = r * LINE // 4
+        for r, word in self._peer_epoch_words:
             spin_end = None
             while True:
                 v = ctrl[word]

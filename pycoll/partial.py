@@ -31,6 +31,7 @@ import threading
 import time
 from collections import deque
 from datetime import timedelta
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -82,14 +83,17 @@ class PartialAllReduce:
         self._peers = [ranks[r] for r in range(self.world) if r != self.rank]
         self._inline = dist.get_backend(self._pg) == "pycoll"   # see _initiate
         # One lock behind both conditions; code that only needs the lock takes it directly
-        # (``with self._cv`` costs two more Python calls, 17 times a round).
+        # (``with self._cv`` costs two more Python calls, 17 times a round). The per-round
+        # notifications look at the Condition's waiters first: notify_all is Python code,
+        # and in the common case (one thread drives every round) nobody waits.
         self._lock = lock = threading.Lock()
         self._cv = threading.Condition(lock)     # user threads: deposits, results, hand-overs
         self._wake = threading.Condition(lock)   # the progress thread: something to serve
         self._slot = self._n + self.world * NF   # a deposit's buffer doubles as a round's
-        self._deposits: deque[tuple[int, torch.Tensor]] = deque()
-        self._free: list[torch.Tensor] = []        # round buffers ready for reuse
-        self._lent: dict[int, torch.Tensor] = {}   # data_ptr -> buffer() out with the user
+        self._deposits: deque[tuple[int, _Slot]] = deque()
+        self._free: list[_Slot] = []          # round buffers ready for reuse
+        self._lent: dict[int, _Slot] = {}     # data_ptr -> buffer() out with the user
+        self._out: dict[int, _Slot] = {}      # data_ptr -> the latest results, for recycle
         self._next = 0                     # index of this rank's next deposit
         self._results: dict[int, RoundResult] = {}
         self._done = 0                     # rounds completed
@@ -117,19 +121,24 @@ class PartialAllReduce:
         """A flat tensor of the template's size to fill and pass to ``submit``/``all_reduce``,
         which then deposit it without copying (it belongs to this object again from then)."""
         with self._lock:
-            buf = self._free.pop() if self._free else torch.empty(self._slot, dtype=self.dtype)
-            self._lent[buf.data_ptr()] = buf
-        return buf[:self._n]
+            slot = self._free.pop() if self._free else self._new_slot()
+            self._lent[slot.ptr] = slot
+        return slot.data
 
     def recycle(self, result: RoundResult) -> None:
         """Hand a result's buffer back for reuse once done with it (optional: saves an
         allocation per round; ``result.tensor`` must not be used afterwards)."""
+        with self._lock:
+            slot = self._out.pop(result.tensor.data_ptr(), None)
+            if slot is not None and slot.result is result.tensor:
+                self._free.append(slot)
+                return
         base = result.tensor._base
         if base is None or base.numel() != self._slot or base.dtype != self.dtype:
             raise ValueError("PartialAllReduce.recycle: not a round result of this object")
         with self._lock:
-            if all(b.data_ptr() != base.data_ptr() for b in self._free):   # not twice
-                self._free.append(base)
+            if all(s.ptr != base.data_ptr() for s in self._free):   # not twice
+                self._free.append(self._new_slot(base))
 
     def all_reduce(self, tensor: torch.Tensor, timeout: float | None = None) -> RoundResult:
         """``submit(tensor).result(timeout)`` in one call: this thread drives the round from
@@ -154,18 +163,19 @@ class PartialAllReduce:
                 raise RuntimeError("PartialAllReduce.submit: a flush is in progress")
             ptr = tensor.data_ptr()
             if ptr in self._lent and tensor.is_contiguous():
-                buf, copy = self._lent.pop(ptr), False     # filled in place: from buffer()
+                slot, copy = self._lent.pop(ptr), False     # filled in place: from buffer()
             else:
-                buf = self._free.pop() if self._free else torch.empty(self._slot, dtype=self.dtype)
+                slot = self._free.pop() if self._free else self._new_slot()
                 copy = True
         if copy:
             with torch.no_grad():
-                buf[:self._n].copy_(tensor.reshape(-1))
+                slot.data.copy_(tensor.reshape(-1))
         with self._lock:
             index = self._next
             self._next += 1
-            self._deposits.append((index, buf))
-            self._cv.notify_all()            # a thread driving a round may wait for it
+            self._deposits.append((index, slot))
+            if self._cv._waiters:  # a thread driving a round may wait for it
+                self._cv.notify_all()
             if not self._waiting:            # else a user thread is about to drive
                 self._wake.notify()
         return index
@@ -258,7 +268,8 @@ class PartialAllReduce:
                 finally:
                     with self._lock:
                         self._driver = None
-                        self._cv.notify_all()
+                        if self._cv._waiters:
+                            self._cv.notify_all()
         finally:
             with self._lock:
                 self._waiting -= 1
@@ -339,20 +350,22 @@ class PartialAllReduce:
                                             lambda: f"its own deposit {need} (staleness bound)",
                                             deadline, what) is None:
             return
-        buf, meta, mine = self._snapshot(k, how == "initiate")
+        slot, mine = self._snapshot(k, how == "initiate")
         if how == "initiate":
-            self._initiate(buf, k, deadline is None)
+            self._initiate(slot.base, k, deadline is None)
         else:
-            dist.all_reduce(buf, group=self._pg)
-        info = led.close_round(meta.reshape(self.world, NF).astype(np.int64).tolist())  # exact
+            dist.all_reduce(slot.base, group=self._pg)
+        info = led.close_round(slot.meta.reshape(self.world, NF).astype(np.int64).tolist())  # exact
         if info.counts[self.rank] != mine.count:
             raise RuntimeError(f"PartialAllReduce round {k}: metadata says rank {self.rank} "
                                f"contributed {info.counts[self.rank]}, it sent {mine.count}")
-        data = buf[:self._n]
-        result = RoundResult(data if self._flat_shape else data.view(self.shape), info.count, info)
+        result = RoundResult(slot.result, info.count, info)
         with self._lock:
             self._timer = None
             self._results[k] = result
+            self._out[slot.ptr] = slot
+            if len(self._out) > _KEEP_FOR_RECYCLE:
+                del self._out[next(iter(self._out))]
             self.history.append(info)
             self._done = k + 1
             if info.flush:
@@ -360,8 +373,10 @@ class PartialAllReduce:
                 self._flush_round = k
                 self._flushes += 1
                 self._next = k + 1          # deposit index == round index again
-            self._cv.notify_all()
-        self._activated = {m for m in self._activated if m > k}
+            if self._cv._waiters:
+                self._cv.notify_all()
+        if self._activated:
+            self._activated = {m for m in self._activated if m > k}
 
     def _initiate(self, buf: torch.Tensor, k: int, from_progress_thread: bool) -> None:
         """The initiator's all-reduce of round k. Peers get an activation at once, or, when a
@@ -430,7 +445,7 @@ class PartialAllReduce:
             if k >= self._ledger.k:
                 self._activated.add(k)
 
-    def _snapshot(self, k: int, initiated: bool) -> tuple[torch.Tensor, np.ndarray, Contribution]:
+    def _snapshot(self, k: int, initiated: bool) -> tuple[_Slot, Contribution]:
         """This rank's slot for round k: every pending deposit of index <= k, plus metadata.
         A single deposit (the common case) is its own round buffer: no copy."""
         taken = []
@@ -439,22 +454,44 @@ class PartialAllReduce:
                 taken.append(self._deposits.popleft())
             left, flushing = len(self._deposits), self._flushing
         if len(taken) == 1:
-            buf = taken[0][1]
+            slot = taken[0][1]
         else:
-            buf = torch.empty(self._slot, dtype=self.dtype)
-            data = buf[:self._n]
+            slot = self._new_slot()
+            data = slot.data
             if taken:
-                data.copy_(taken[0][1][:self._n])
+                data.copy_(taken[0][1].data)
                 for _, t in taken[1:]:
-                    data.add_(t[:self._n])
+                    data.add_(t.data)
             else:
                 data.zero_()
         mine = Contribution(len(taken), taken[0][0] if taken else 0, taken[-1][0] if taken else 0,
                             initiated, flushing, left)
-        meta = buf.numpy()[self._n:]          # numpy: a few small writes, no dispatcher cost
+        meta = slot.meta
         meta[:] = 0
         meta[self.rank * NF:(self.rank + 1) * NF] = mine.row(k)
         if len(taken) > 1:
             with self._lock:
                 self._free.extend(t for _, t in taken)
-        return buf, meta, mine
+        return slot, mine
+
+    def _new_slot(self, base: torch.Tensor | None = None) -> _Slot:
+        base = torch.empty(self._slot, dtype=self.dtype) if base is None else base
+        data = base[:self._n]
+        return _Slot(base, data, data if self._flat_shape else data.view(self.shape),
+                     base.detach().numpy()[self._n:], base.data_ptr())
+
+
+# Results whose buffers recycle() takes back without looking at them (a result that is never
+# recycled keeps its buffer alive until this many later results are made).
+_KEEP_FOR_RECYCLE = 2
+
+
+class _Slot(NamedTuple):
+    """A round buffer and its views, made once per buffer: a view costs a microsecond or more,
+    and every round needs three."""
+
+    base: torch.Tensor     # the template's elements, then world * NF metadata
+    data: torch.Tensor     # base[:n], flat
+    result: torch.Tensor   # data shaped like the template
+    meta: np.ndarray       # base[n:] in numpy (a few small writes a round, no dispatcher cost)
+    ptr: int               # base.data_ptr()

@@ -18,18 +18,24 @@ from __future__ import annotations
 import math
 import threading
 import time
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 _local = threading.local()
 
 
-@contextmanager
-def on_slow(delay: float, fn: Callable[[], None]) -> Iterator[None]:
-    _local.hook = (time.monotonic() + delay, fn)
-    try:
-        yield
-    finally:
+class on_slow:
+    """The context manager above (a class: a generator-based one costs three times as much,
+    and the partial all-reduce enters one every round)."""
+
+    __slots__ = ("delay", "fn")
+
+    def __init__(self, delay: float, fn: Callable[[], None]) -> None:
+        self.delay, self.fn = delay, fn
+
+    def __enter__(self) -> None:
+        _local.hook = (time.monotonic() + self.delay, self.fn)
+
+    def __exit__(self, *exc) -> None:
         _local.hook = None
 
 

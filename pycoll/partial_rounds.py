@@ -123,6 +123,8 @@ class Ledger:
     def required(self) -> tuple[int, ...]:
         """Ranks whose deposit ``k - max_staleness`` round k must include."""
         floor = self.k - self.max_staleness
+        if min(self.last) >= floor:     # the common case, without a Python loop
+            return ()
         return tuple(r for r in range(self.world) if self.last[r] < floor)
 
     def must_include(self, rank: int) -> int | None:

@@ -19,8 +19,8 @@ from . import collectives as C
 from .group import Communicator
 from .reduce_ops import make_reduction
 from .torch_p2p import PointToPoint
-from .validation import (_noop, check_root, check_tensor, check_tensors, flat, flat_out, same_dtype,
-                         unflatten_into)
+from .validation import (check_root, check_tensor, check_tensors, flat, flat_out, no_write_back,
+                         same_dtype, unflatten_into)
 from .work import Work, completed
 from .cuda.dispatch import install as _install_cuda_dispatch
 
@@ -77,7 +77,7 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         red = make_reduction(opts.reduceOp, t.dtype, self._size)
         f, back = flat(t)
         task = C.all_reduce_task(self._comm, f, red)
-        return self._submit("all_reduce", [t], task if back is _noop else _then(task, back), opts)
+        return self._submit("all_reduce", [t], task if back is no_write_back else _then(task, back), opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()

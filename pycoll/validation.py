@@ -75,14 +75,14 @@ def check_root(root: int, world: int, what: str) -> int:
     return root
 
 
-def _noop() -> None:
-    pass
+def no_write_back() -> None:
+    """The write-back of a tensor that ``flat`` or ``flat_out`` did not copy."""
 
 
 def flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     """A flat contiguous tensor holding ``t``'s data, and a write-back for in-place results."""
     if t.is_contiguous():
-        return (t if t.dim() == 1 else t.view(-1)), _noop
+        return (t if t.dim() == 1 else t.view(-1)), no_write_back
     work = t.contiguous().view(-1)
     return work, lambda: t.copy_(work.view_as(t))
 
@@ -90,7 +90,7 @@ def flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
 def flat_out(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
     """Like ``flat`` for an output-only tensor: no copy of the old contents is needed."""
     if t.is_contiguous():
-        return (t if t.dim() == 1 else t.view(-1)), _noop
+        return (t if t.dim() == 1 else t.view(-1)), no_write_back
     work = torch.empty(t.numel(), dtype=t.dtype)
     return work, lambda: t.copy_(work.view(t.shape))
 

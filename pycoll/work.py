@@ -29,7 +29,6 @@ class Work(dist.Work):
     _source = -1
     _gate = None
     op_timeout: float | None = None
-
     _driver = None
 
     def __init__(self, op: str, seq: int, outputs: list[torch.Tensor], driver=None) -> None:

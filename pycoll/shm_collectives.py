@@ -43,7 +43,6 @@ from .reduce_ops import Reduction
 from .transport.shm import ShmArena
 
 ONE_SHOT_BYTES = 64 << 10
-_FLOAT16 = torch.float16
 # Two-rank all_reduce rounds of 1 MiB rather than the whole 4 MiB slot: medians of 6 runs
 # each, 2026-12-03, busbw at 4 / 16 / 64 MiB: 6.5 / 4.9 / 5.7 GB/s against 5.1 / 4.1 / 3.5
 # with 4 MiB rounds (512 KiB rounds: 5.7 / 5.3 / 6.2; 2 MiB: 4.6 / 4.3 / 4.9).
@@ -57,6 +56,7 @@ REDOPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor", "avg", "pre
 
 # Word values by name: a dict lookup costs a third of tuple.index on the latency path.
 _OP_WORD, _DTYPE_WORD, _REDOP_WORD = ({v: i for i, v in enumerate(names)} for names in (OPS, DTYPES, REDOPS))
+_FLOAT16 = torch.float16   # (a module global: read on every small all_reduce)
 
 
 def signature(op: str, seq: int, dtype: torch.dtype, numel: int, redop: str = "", root: int = -1,

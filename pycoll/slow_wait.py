@@ -24,8 +24,9 @@ _local = threading.local()
 
 
 class on_slow:
-    """The context manager above (a class: a generator-based one costs three times as much,
-    and the partial all-reduce enters one every round)."""
+    """Set this thread's hook for the length of a ``with`` block (a class: a generator-based
+    context manager costs three times as much, and the partial all-reduce enters one every
+    round)."""
 
     __slots__ = ("delay", "fn")
 

@@ -54,6 +54,7 @@ def numpy_at(t: torch.Tensor) -> np.ndarray:
 
 
 _REAL_NP_DTYPES = {dt: torch.empty(0, dtype=dt).numpy().dtype for dt in NUMPY_LOOPS | {torch.float16}}
+NUMPY_VIEWABLE = frozenset(_REAL_NP_DTYPES)   # the dtypes numpy_at views by address
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

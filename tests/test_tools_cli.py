@@ -104,3 +104,14 @@ def test_bench_subcommand_runs_the_checkout_benchmark(tmp_path):
     assert "#wrong total: 0" in text
     rows = json.loads(out.read_text())["collectives"]["all_reduce"]["rows"]
     assert [r["size"] for r in rows] == [8, 64]
+
+
+@pytest.mark.timeout(120)
+def test_demo_runs_every_collective_and_ddp():
+    """The README's first command runs ``python -m pycoll demo``: every row must say yes."""
+    out = _pycoll("demo", timeout=110)
+    rows = [ln.split() for ln in out.splitlines() if ln.rstrip().endswith(tuple("0123456789"))
+            and (" yes " in ln or " no " in ln)]
+    assert len(rows) >= 10, out
+    assert not [r for r in rows if "no" in r], out
+    assert "parameters identical on all ranks: yes" in out, out

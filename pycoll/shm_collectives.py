@@ -312,6 +312,23 @@ def reduce_scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, counts
     barrier = _Barriers(arena, words, deadline, what)
     region = arena.slot_bytes // dt.itemsize // L
     disp = displacements(list(counts))
+    c = counts[me]
+    if (red.ufunc is not None and inp.numel() * dt.itemsize <= ONE_SHOT_BYTES and max(counts) <= region
+            and dt in kernels.NUMPY_VIEWABLE and (c <= 128 or dt is not _FLOAT16)):
+        # One round in numpy, as small_all_reduce (and in the same rank order).
+        src = kernels.numpy_at(inp)
+        slots = arena.numpy_slots(arena.next_parity(), src.dtype)
+        for q in range(L):
+            slots[me][q * region:q * region + counts[q]] = src[disp[q]:disp[q] + counts[q]]
+        barrier()
+        dst, lo = kernels.numpy_at(out), me * region
+        if L == 1:
+            dst[...] = slots[0][lo:lo + c]
+            return
+        red.np_combine(slots[0][lo:lo + c], slots[1][lo:lo + c], dst)
+        for q in range(2, L):
+            red.np_combine(dst, slots[q][lo:lo + c], dst)
+        return
     for off, _ in _rounds(max(counts, default=0), region):
         p = arena.next_parity()
         mine = arena.slot(me, p, dt)

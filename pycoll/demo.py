@@ -54,20 +54,19 @@ def _reduce(dist, torch, rank, world):
     return rank != 0 or bool((t == sum(range(world))).all())
 
 
-# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor (the old names warn)
 @check("all_gather_single")
 def _all_gather(dist, torch, rank, world):
+    from .torch_names import all_gather_single
     out = torch.empty(world * 3, dtype=torch.int32)
-    (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
-        out, torch.full((3,), rank, dtype=torch.int32))
+    all_gather_single(out, torch.full((3,), rank, dtype=torch.int32))
     return out.tolist() == [r for r in range(world) for _ in range(3)]
 
 
 @check("reduce_scatter_single")
 def _reduce_scatter(dist, torch, rank, world):
+    from .torch_names import reduce_scatter_single
     out = torch.empty(4)
-    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
-        out, torch.arange(4 * world, dtype=torch.float32))
+    reduce_scatter_single(out, torch.arange(4 * world, dtype=torch.float32))
     return out.tolist() == [float(world * (4 * rank + i)) for i in range(4)]
 
 

@@ -194,9 +194,15 @@ def small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, de
     slots[arena.me][...] = tn     # (a third of np.copyto's cost)
     barrier()
     if len(slots) > 1:
-        red.np_combine(slots[0], slots[1], tn)
-        for q in range(2, len(slots)):
-            red.np_combine(tn, slots[q], tn)
+        _np_reduce_in_order(red, slots, tn)
+
+
+def _np_reduce_in_order(red: Reduction, parts, out: np.ndarray) -> None:
+    """``out = parts[0] op parts[1] op ...`` (two parts at least), in rank order on every
+    rank, so that every rank's result is bitwise the same."""
+    red.np_combine(parts[0], parts[1], out)
+    for part in parts[2:]:
+        red.np_combine(out, part, out)
 
 
 def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) -> None:
@@ -322,12 +328,11 @@ def reduce_scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, counts
             slots[me][q * region:q * region + counts[q]] = src[disp[q]:disp[q] + counts[q]]
         barrier()
         dst, lo = kernels.numpy_at(out), me * region
+        parts = [s[lo:lo + c] for s in slots]
         if L == 1:
-            dst[...] = slots[0][lo:lo + c]
-            return
-        red.np_combine(slots[0][lo:lo + c], slots[1][lo:lo + c], dst)
-        for q in range(2, L):
-            red.np_combine(dst, slots[q][lo:lo + c], dst)
+            dst[...] = parts[0]
+        else:
+            _np_reduce_in_order(red, parts, dst)
         return
     for off, _ in _rounds(max(counts, default=0), region):
         p = arena.next_parity()

@@ -13,9 +13,7 @@ import torch.distributed as dist
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
-# torch 2.13 deprecates the *_tensor names (FutureWarning on every call); prefer the new ones.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from pycoll.torch_names import all_gather_single as _all_gather, reduce_scatter_single as _reduce_scatter
 
 
 class TorchApi:

@@ -309,8 +309,7 @@ class ShmArena:
         self.mm[start:start + len(data)] = data
         # A separate abort word, so that a peer still reading this rank's epoch for a
         # barrier it legitimately passed is not misled; the wake makes waiters re-check.
-        w = self.me * LINE // 4
-        self._ctrl[w + 1] = 1
+        self._ctrl[self._me_word + 1] = 1
         _futex_wake(self._my_epoch)
 
     def close(self) -> None:

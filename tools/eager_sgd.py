@@ -11,7 +11,8 @@ Imbalance: each step one rank, drawn from a seeded RNG that every rank replays a
 ``U(delay_lo, delay_hi)`` ms before its forward pass (tens of ms against ~2 ms of compute, so
 the injected imbalance dominates the noise of a shared 2-core machine). Full sync pays the
 straggler's delay every step; partial modes let the others go on, up to ``max_staleness``
-rounds ahead.
+rounds ahead. What the rules allow at best on these very sequences, without implementation
+cost: ``python tools/eager_sgd_model.py``.
 
 Every rank of every mode runs with ``sys.setswitchinterval(0.001)`` (``--switch-interval``):
 with Python's default 5 ms, a background thread that needs the GIL while the training
@@ -31,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import random
 import statistics
 import sys
 import time
@@ -45,6 +45,8 @@ if str(REPO) not in sys.path:  # run as a script: make `ddp` and `pycoll` import
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+
+from tools.eager_sgd_model import stragglers  # noqa: E402
 
 MODES = ("full", "solo", "majority")
 
@@ -94,19 +96,19 @@ class Run:
         self.opt = torch.optim.SGD(self.model.parameters(), lr=o["lr"])
         self.loss_fn = nn.CrossEntropyLoss()
         self.gen = torch.Generator().manual_seed(seed * 1000 + rank)
-        self.straggler = random.Random(seed * 7919 + world)   # the same sequence on every rank
         self.steps = o["steps"] if imbalance else o["balanced_steps"]
+        # (rank that sleeps, ms) per step: the same sequence on every rank, and in the model
+        self.sleeps = stragglers(world, seed, self.steps, o["delay_lo"], o["delay_hi"])
         self.step, self.clock, self.stamps, self.snaps = 0, 0.0, [], []
 
     def advance(self, n: int) -> None:
         o, rank = self.o, self.rank
-        lo, hi = o["delay_lo"] / 1e3, o["delay_hi"] / 1e3
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(min(n, self.steps - self.step)):
-            who, delay = self.straggler.randrange(self.world), self.straggler.uniform(lo, hi)
+            who, delay_ms = self.sleeps[self.step]
             if self.imbalance and who == rank:
-                time.sleep(delay)
+                time.sleep(delay_ms / 1e3)
             idx = torch.randint(0, len(self.xtr), (o["batch"],), generator=self.gen)
             loss = self.loss_fn(self.model(self.xtr[idx]), self.ytr[idx])
             self.opt.zero_grad()

@@ -1,0 +1,49 @@
+"""The model of the eager-SGD experiment (tools/eager_sgd_model.py): its rules reduce to
+full sync where they must, and partial modes never take longer than full sync."""
+
+from __future__ import annotations
+
+import pytest
+
+from tools.eager_sgd_model import main, simulate, stragglers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_stragglers_replay_the_experiment_sequence():
+    seq = stragglers(4, 1, 300, 40.0, 80.0)
+    assert seq == stragglers(4, 1, 300, 40.0, 80.0) != stragglers(4, 2, 300, 40.0, 80.0)
+    assert {who for who, _ in seq} == {0, 1, 2, 3} and all(40.0 <= ms <= 80.0 for _, ms in seq)
+
+
+def test_full_sync_waits_for_the_straggler_every_step():
+    seq = [(0, 10.0), (1, 20.0), (0, 5.0)]
+    assert simulate("full", seq, 2, compute=1.0, overhead=0.5) == pytest.approx([11.5, 33.0, 39.5])
+
+
+@pytest.mark.parametrize("mode", ["solo", "majority"])
+def test_partial_modes_are_full_sync_where_nothing_can_be_skipped(mode):
+    seq = stragglers(3, 0, 120, 40.0, 80.0)
+    full = simulate("full", seq, 3)
+    assert simulate(mode, seq, 3, max_staleness=0) == pytest.approx(full)      # K = 0: synchronous
+    assert simulate(mode, [(0, ms) for _, ms in seq], 1) == pytest.approx(simulate("full", seq, 1))
+    balanced = [(0, 0.0)] * 50
+    assert simulate(mode, balanced, 3) == pytest.approx(simulate("full", balanced, 3))
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("grace", [0.0, 2.0, 10.0])
+def test_partial_modes_never_take_longer_and_solo_is_fastest(world, grace):
+    for seed in range(3):
+        seq = stragglers(world, seed, 200, 40.0, 80.0)
+        full = simulate("full", seq, world)
+        solo = simulate("solo", seq, world, grace=grace)
+        majority = simulate("majority", seq, world, grace=grace)
+        assert all(m <= f + 1e-9 for m, f in zip(majority, full))
+        assert solo[-1] < majority[-1] < full[-1]
+
+
+def test_cli_prints_a_line_per_world_mode_and_grace(capsys):
+    main(["--worlds", "2", "--seeds", "1", "--steps", "60", "--at", "30", "60", "--grace", "0", "10"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 + 4 and all(line.count("x") >= 2 for line in lines[1:])

@@ -1,13 +1,14 @@
 """Point-to-point engine: send/recv with tags and any-source receive, on dedicated sockets.
 
-One progress thread per group owns the point-to-point sockets (separate from the
+One progress thread per group serves the point-to-point sockets (separate from the
 collective sockets, so an unmatched large ``isend`` never blocks a collective). It always
 reads: a frame that matches a posted receive (same source or any source, same tag, in
 posting order) is read straight into that receive's tensor; one that matches nothing yet
 is kept as an unexpected message until a receive claims it (MPI's eager protocol). Sends
 to a peer go out in posting order: one with nothing queued before it is written by the
-caller's thread as far as the socket takes it, the rest by the progress thread. So ``isend``/``irecv`` pairs in any order, rings of
-blocking sends and batch_isend_irecv all complete without deadlock.
+caller's thread as far as the socket takes it, the rest by the progress thread. So
+``isend``/``irecv`` pairs in any order, rings of blocking sends and batch_isend_irecv all
+complete without deadlock.
 
 Memory is bounded: unexpected messages may hold at most ``PYCOLL_MAX_UNEXPECTED_BYTES``
 (default 1 GiB) in all; a header claiming more is a protocol error for that peer, raised

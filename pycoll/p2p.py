@@ -136,14 +136,13 @@ class P2PEngine:
     def _send_now(self, req: Request) -> bool:
         """With nothing queued to the peer, send in the caller's thread as far as the socket
         takes it (call holding the lock): True when all of it went. A handoff to the
-        progress thread costs a wake-up, and the GIL for as long as the caller keeps it
-        (the p2p round trip here: 420-450 us, 1.1 ms while the caller computes for 0.5 ms)."""
+        progress thread costs a wake-up, and waits for the GIL as long as the caller keeps
+        it (2-rank round trip, sender computing 0.5 ms after its isend: median 1.04-1.09 ms
+        with the handoff, 0.87-0.94 ms without)."""
         try:
             req.off = self.conns[req.peer].sock.sendmsg([req.header, req.buf])
-        except (BlockingIOError, InterruptedError):
+        except OSError:   # full (BlockingIOError), or broken: the progress thread takes over
             return False
-        except OSError:
-            return False   # the progress thread meets the error and fails the peer
         return req.off == len(req.header) + len(req.buf)
 
     def irecv(self, peer: int, tag: int, buf: memoryview, dtype: str, numel: int, deadline: float) -> Request:

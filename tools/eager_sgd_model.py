@@ -39,7 +39,7 @@ from pycoll.partial_rounds import majority_initiator  # noqa: E402
 def stragglers(world: int, seed: int, steps: int, lo_ms: float, hi_ms: float) -> list[tuple[int, float]]:
     """tools/eager_sgd.py's sequence: (rank that sleeps, ms) per step, the same RNG calls."""
     rng = random.Random(seed * 7919 + world)
-    return [(rng.randrange(world), rng.uniform(lo_ms / 1e3, hi_ms / 1e3) * 1e3) for _ in range(steps)]
+    return [(rng.randrange(world), rng.uniform(lo_ms, hi_ms)) for _ in range(steps)]
 
 
 def simulate(mode: str, seq: list[tuple[int, float]], world: int, compute: float = 1.5,

@@ -13,11 +13,20 @@ pytestmark = pytest.mark.timeout(60)
 def test_stragglers_replay_the_experiment_sequence():
     seq = stragglers(4, 1, 300, 40.0, 80.0)
     assert seq == stragglers(4, 1, 300, 40.0, 80.0) != stragglers(4, 2, 300, 40.0, 80.0)
-    assert {who for who, _ in seq} == {0, 1, 2, 3} and all(40.0 <= ms <= 80.0 for _, ms in seq)
+    late = [[r for r, ms in enumerate(step) if ms] for step in seq]
+    assert all(len(who) == 1 for who in late) and {w[0] for w in late} == {0, 1, 2, 3}
+    assert all(40.0 <= max(step) <= 80.0 for step in seq)
+
+
+def test_stragglers_with_a_probability_delay_each_rank_independently():
+    seq = stragglers(4, 0, 2000, 40.0, 80.0, prob=0.25)
+    per_step = [sum(1 for ms in step if ms) for step in seq]
+    assert set(per_step) >= {0, 1, 2} and 0.2 < sum(per_step) / (4 * len(seq)) < 0.3
+    assert all(ms == 0.0 or 40.0 <= ms <= 80.0 for step in seq for ms in step)
 
 
 def test_full_sync_waits_for_the_straggler_every_step():
-    seq = [(0, 10.0), (1, 20.0), (0, 5.0)]
+    seq = [[10.0, 0.0], [0.0, 20.0], [5.0, 3.0]]
     assert simulate("full", seq, 2, compute=1.0, overhead=0.5) == pytest.approx([11.5, 33.0, 39.5])
 
 
@@ -26,16 +35,18 @@ def test_partial_modes_are_full_sync_where_nothing_can_be_skipped(mode):
     seq = stragglers(3, 0, 120, 40.0, 80.0)
     full = simulate("full", seq, 3)
     assert simulate(mode, seq, 3, max_staleness=0) == pytest.approx(full)      # K = 0: synchronous
-    assert simulate(mode, [(0, ms) for _, ms in seq], 1) == pytest.approx(simulate("full", seq, 1))
-    balanced = [(0, 0.0)] * 50
+    alone = [[max(step)] for step in seq]
+    assert simulate(mode, alone, 1) == pytest.approx(simulate("full", alone, 1))
+    balanced = [[0.0] * 3] * 50
     assert simulate(mode, balanced, 3) == pytest.approx(simulate("full", balanced, 3))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("grace", [0.0, 2.0, 10.0])
-def test_partial_modes_never_take_longer_and_solo_is_fastest(world, grace):
+@pytest.mark.parametrize("prob", [None, 0.3])
+def test_partial_modes_never_take_longer_and_solo_is_fastest(world, grace, prob):
     for seed in range(3):
-        seq = stragglers(world, seed, 200, 40.0, 80.0)
+        seq = stragglers(world, seed, 200, 40.0, 80.0, prob)
         full = simulate("full", seq, world)
         solo = simulate("solo", seq, world, grace=grace)
         majority = simulate("majority", seq, world, grace=grace)

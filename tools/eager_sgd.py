@@ -9,7 +9,8 @@ own batches; every mode runs the same number of steps per rank (so sees the same
 
 Imbalance: each step one rank, drawn from a seeded RNG that every rank replays alike, sleeps
 ``U(delay_lo, delay_hi)`` ms before its forward pass (tens of ms against ~2 ms of compute, so
-the injected imbalance dominates the noise of a shared 2-core machine). Full sync pays the
+the injected imbalance dominates the noise of a shared 2-core machine); with
+``--delay-prob p``, each rank independently with probability p instead. Full sync pays the
 straggler's delay every step; partial modes let the others go on, up to ``max_staleness``
 rounds ahead. What the rules allow at best on these very sequences, without implementation
 cost: ``python tools/eager_sgd_model.py``.
@@ -97,8 +98,8 @@ class Run:
         self.loss_fn = nn.CrossEntropyLoss()
         self.gen = torch.Generator().manual_seed(seed * 1000 + rank)
         self.steps = o["steps"] if imbalance else o["balanced_steps"]
-        # (rank that sleeps, ms) per step: the same sequence on every rank, and in the model
-        self.sleeps = stragglers(world, seed, self.steps, o["delay_lo"], o["delay_hi"])
+        # ms each rank sleeps, per step: the same sequence on every rank, and in the model
+        self.sleeps = stragglers(world, seed, self.steps, o["delay_lo"], o["delay_hi"], o["delay_prob"])
         self.step, self.clock, self.stamps, self.snaps = 0, 0.0, [], []
 
     def advance(self, n: int) -> None:
@@ -106,8 +107,8 @@ class Run:
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(min(n, self.steps - self.step)):
-            who, delay_ms = self.sleeps[self.step]
-            if self.imbalance and who == rank:
+            delay_ms = self.sleeps[self.step][rank]
+            if self.imbalance and delay_ms:
                 time.sleep(delay_ms / 1e3)
             idx = torch.randint(0, len(self.xtr), (o["batch"],), generator=self.gen)
             loss = self.loss_fn(self.model(self.xtr[idx]), self.ytr[idx])
@@ -329,6 +330,8 @@ def main(argv=None) -> None:
                     help="ms an initiator waits in its all-reduce before it activates the others")
     ap.add_argument("--delay-lo", type=float, default=40.0, help="ms")
     ap.add_argument("--delay-hi", type=float, default=80.0, help="ms")
+    ap.add_argument("--delay-prob", type=float, default=None,
+                    help="each rank sleeps with this probability per step (default: one rank per step)")
     ap.add_argument("--target", type=float, default=0.95, help="the plot's target")
     ap.add_argument("--targets", type=float, nargs="+", default=[0.90, 0.93, 0.95],
                     help="report time to each of these test accuracies")
@@ -344,7 +347,7 @@ def main(argv=None) -> None:
         a.worlds, a.seeds, a.steps, a.balanced_steps = [2], 1, 100, 200
     o = {"steps": a.steps, "balanced_steps": a.balanced_steps, "block": a.block, "batch": a.batch, "lr": a.lr,
          "max_staleness": a.max_staleness, "activation_delay": a.activation_delay,
-         "delay_lo": a.delay_lo, "delay_hi": a.delay_hi, "target": a.target,
+         "delay_lo": a.delay_lo, "delay_hi": a.delay_hi, "delay_prob": a.delay_prob, "target": a.target,
          "targets": sorted(set(a.targets) | {a.target}), "eval_every": a.eval_every,
          "switch_interval": a.switch_interval, "seeds": a.seeds, "modes": a.modes,
          "imbalance": {"both": [False, True], "yes": [True], "no": [False]}[a.imbalance]}
@@ -356,7 +359,8 @@ def main(argv=None) -> None:
     evaluate(runs, o)
     rows = summarise(runs, o)
     print(f"{a.steps} steps (balanced: {a.balanced_steps}) x batch {a.batch} per rank; "
-          f"imbalance: one rank per step sleeps U({a.delay_lo:g}, {a.delay_hi:g}) ms; "
+          f"imbalance: {'one rank per step' if a.delay_prob is None else f'each rank with probability {a.delay_prob:g}'}"
+          f" sleeps U({a.delay_lo:g}, {a.delay_hi:g}) ms; "
           f"max_staleness {a.max_staleness}; medians of {a.seeds} seeds; {time.perf_counter() - t0:.0f}s")
     print(table(rows))
     if a.json:

@@ -5,8 +5,9 @@ tools/eager_sgd.py's runs.
     python tools/eager_sgd_model.py --grace 0 2 10   # how the grace period weighs
 
 A discrete-event replay of the rules in docs/partial.md on the experiment's own straggler
-sequences (the same seeded RNG, one rank per step sleeping ``U(delay_lo, delay_hi)`` ms)
-and the same majority initiators (``majority_initiator(0, k, world)``). Each step a rank
+sequences (the same seeded RNG: one rank per step sleeping ``U(delay_lo, delay_hi)`` ms, or
+with ``--delay-prob p`` each rank independently with probability p) and the same majority
+initiators (``majority_initiator(0, k, world)``). Each step a rank
 computes ``compute`` ms (plus its sleep), deposits, and cannot start the next step before
 the round paired with its deposit is done. A round starts when its initiator has
 deposited (solo: the first rank to), after the previous round and after every rank the
@@ -36,28 +37,42 @@ if str(REPO) not in sys.path:  # run as a script: make `pycoll` importable
 from pycoll.partial_rounds import majority_initiator  # noqa: E402
 
 
-def stragglers(world: int, seed: int, steps: int, lo_ms: float, hi_ms: float) -> list[tuple[int, float]]:
-    """tools/eager_sgd.py's sequence: (rank that sleeps, ms) per step, the same RNG calls."""
+def stragglers(world: int, seed: int, steps: int, lo_ms: float, hi_ms: float,
+               prob: float | None = None) -> list[list[float]]:
+    """tools/eager_sgd.py's sequence: each step, the ms each rank sleeps before its forward.
+    ``prob`` None: one rank per step, drawn uniformly; else each rank with probability
+    ``prob``. The same RNG calls on every rank, so every rank replays the same sequence."""
     rng = random.Random(seed * 7919 + world)
-    return [(rng.randrange(world), rng.uniform(lo_ms, hi_ms)) for _ in range(steps)]
+    out = []
+    for _ in range(steps):
+        delays = [0.0] * world
+        if prob is None:
+            who = rng.randrange(world)
+            delays[who] = rng.uniform(lo_ms, hi_ms)
+        else:
+            for r in range(world):
+                if rng.random() < prob:
+                    delays[r] = rng.uniform(lo_ms, hi_ms)
+        out.append(delays)
+    return out
 
 
-def simulate(mode: str, seq: list[tuple[int, float]], world: int, compute: float = 1.5,
+def simulate(mode: str, seq: list[list[float]], world: int, compute: float = 1.5,
              grace: float = 10.0, overhead: float = 0.3, max_staleness: int = 8,
              seed: int = 0) -> list[float]:
     """End time (ms) of each step: when the last rank has its result of that step's round."""
     if mode == "full":
         t, ends = 0.0, []
-        for who, sleep in seq:
-            t += compute + sleep + overhead
+        for delays in seq:
+            t += compute + max(delays) + overhead
             ends.append(t)
         return ends
     start = [0.0] * world            # when each rank starts its next step
     last = [-1] * world              # highest deposit index each rank has contributed
     deps: list[list[float]] = []     # deposit times: deps[n][r]
     prev, ends = 0.0, []
-    for n, (who, sleep) in enumerate(seq):
-        dep = [start[r] + compute + (sleep if r == who else 0.0) for r in range(world)]
+    for n, delays in enumerate(seq):
+        dep = [start[r] + compute + delays[r] for r in range(world)]
         deps.append(dep)
         init = majority_initiator(seed, n, world) if mode == "majority" else min(range(world), key=dep.__getitem__)
         floor = n - max_staleness
@@ -80,10 +95,10 @@ def simulate(mode: str, seq: list[tuple[int, float]], world: int, compute: float
 
 def speedups(world: int, mode: str, seeds: int, steps: int, at: list[int], **kw) -> list[float]:
     """Median over seeds of full sync's time over ``mode``'s time at each step in ``at``."""
-    lo, hi = kw.pop("delay_lo"), kw.pop("delay_hi")
+    lo, hi, prob = kw.pop("delay_lo"), kw.pop("delay_hi"), kw.pop("delay_prob", None)
     per_seed = []
     for seed in range(seeds):
-        seq = stragglers(world, seed, steps, lo, hi)
+        seq = stragglers(world, seed, steps, lo, hi, prob)
         full, part = simulate("full", seq, world, **kw), simulate(mode, seq, world, **kw)
         per_seed.append([full[i - 1] / part[i - 1] for i in at])
     return [statistics.median(s[j] for s in per_seed) for j in range(len(at))]
@@ -101,17 +116,20 @@ def main(argv=None) -> None:
     ap.add_argument("--max-staleness", type=int, default=8)
     ap.add_argument("--delay-lo", type=float, default=40.0, help="ms")
     ap.add_argument("--delay-hi", type=float, default=80.0, help="ms")
+    ap.add_argument("--delay-prob", type=float, default=None,
+                    help="each rank sleeps with this probability per step (default: one rank per step)")
     a = ap.parse_args(argv)
     at = [s for s in a.at if 1 <= s <= a.steps]
     print(f"full sync time / mode time at steps {at} (median of {a.seeds} seeds), model without "
           f"implementation cost: compute {a.compute:g} ms, round {a.overhead:g} ms, "
-          f"max_staleness {a.max_staleness}")
+          f"max_staleness {a.max_staleness}; imbalance: "
+          + ("one rank per step" if a.delay_prob is None else f"each rank with probability {a.delay_prob:g}"))
     for world in a.worlds:
         for mode in ("solo", "majority"):
             for grace in a.grace:
                 s = speedups(world, mode, a.seeds, a.steps, at, compute=a.compute, grace=grace,
                              overhead=a.overhead, max_staleness=a.max_staleness,
-                             delay_lo=a.delay_lo, delay_hi=a.delay_hi)
+                             delay_lo=a.delay_lo, delay_hi=a.delay_hi, delay_prob=a.delay_prob)
                 print(f"world {world} {mode:8s} grace {grace:4g} ms: " + " / ".join(f"{x:.3f}x" for x in s))
 
 

@@ -7,19 +7,18 @@ tools/eager_sgd.py's runs.
 A discrete-event replay of the rules in docs/partial.md on the experiment's own straggler
 sequences (the same seeded RNG: one rank per step sleeping ``U(delay_lo, delay_hi)`` ms, or
 with ``--delay-prob p`` each rank independently with probability p) and the same majority
-initiators (``majority_initiator(0, k, world)``). Each step a rank
-computes ``compute`` ms (plus its sleep), deposits, and cannot start the next step before
-the round paired with its deposit is done. A round starts when its initiator has
-deposited (solo: the first rank to), after the previous round and after every rank the
-staleness bound requires; another rank enters at its own deposit or when the initiator's
-grace period runs out, whichever is first, and contributes its deposit only if it had
-made it by then. A round takes ``overhead`` ms. Full sync: every step ends at the latest
-rank's deposit plus ``overhead``.
+initiators (``majority_initiator(0, k, world)``). Each step a rank computes ``compute`` ms
+(plus its sleep), deposits, and cannot start the next step before the round paired with its
+deposit is done. A round starts when its initiator has deposited (solo: the first rank to),
+after the previous round and after every rank the staleness bound requires; another rank
+enters at its own deposit or when the initiator's grace period runs out, whichever is
+first, and contributes its deposit only if it had made it by then. A round takes
+``overhead`` ms. Full sync: every step ends at the latest rank's deposit plus ``overhead``.
 
 It prints the time full sync takes over the time each mode takes, at several steps: the
-speed-up in steps per second that no implementation of these rules can beat (the
-experiment's time to an accuracy also depends on how stale gradients slow learning). The
-pure function ``simulate`` is tested in tests/test_eager_sgd_model.py.
+speed-up in steps per second that these rules allow when a round costs nothing but
+``overhead`` (the experiment's time to an accuracy also depends on how stale gradients slow
+learning). The pure function ``simulate`` is tested in tests/test_eager_sgd_model.py.
 """
 
 from __future__ import annotations

@@ -57,6 +57,16 @@ REDOPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor", "avg", "pre
 # Word values by name: a dict lookup costs a third of tuple.index on the latency path.
 _OP_WORD, _DTYPE_WORD, _REDOP_WORD = ({v: i for i, v in enumerate(names)} for names in (OPS, DTYPES, REDOPS))
 _FLOAT16 = torch.float16   # (a module global: read on every small all_reduce)
+# numpy computes float16 in software (230 us against torch's 5 us at 32768 elements): the
+# numpy round reduces float16 only up to this many elements.
+_NP_FLOAT16_MAX = 128
+
+
+def _numpy_reduces(red: Reduction, n: int, dtype: torch.dtype) -> bool:
+    """Whether a small round reduces ``n`` elements of ``dtype`` with ``red`` in numpy (a small
+    message's cost is call overhead, and numpy's is a third of torch's): numpy has the op,
+    and for float16 the message is short."""
+    return red.ufunc is not None and (n <= _NP_FLOAT16_MAX or dtype is not _FLOAT16)
 
 
 def signature(op: str, seq: int, dtype: torch.dtype, numel: int, redop: str = "", root: int = -1,
@@ -175,17 +185,14 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
 
 def is_small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction) -> bool:
     """Whether all_reduce of ``t`` takes the one-round numpy form (small_all_reduce)."""
-    n = t.numel()
-    nbytes = n * t.dtype.itemsize
-    return (red.ufunc is not None and nbytes <= ONE_SHOT_BYTES and nbytes <= arena.slot_bytes
-            and (n <= 128 or t.dtype is not _FLOAT16))
+    n, dt = t.numel(), t.dtype
+    nbytes = n * dt.itemsize
+    return _numpy_reduces(red, n, dt) and nbytes <= ONE_SHOT_BYTES and nbytes <= arena.slot_bytes
 
 
 def small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float,
                      what: str) -> None:
-    """One round in numpy: a small message's cost is call overhead, and numpy's is a third of
-    torch's (but numpy computes float16 in software: 230 us against torch's 5 us at 32768).
-    For the calls that ``is_small_all_reduce`` accepts."""
+    """One round in numpy, for the calls that ``is_small_all_reduce`` accepts."""
     barrier = _Barriers(arena, words, deadline, what)
     tn = kernels.numpy_at(t)
     # (Exactly one parity step per round: skipping one would let a rank overwrite a slot
@@ -319,8 +326,8 @@ def reduce_scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, counts
     region = arena.slot_bytes // dt.itemsize // L
     disp = displacements(list(counts))
     c = counts[me]
-    if (red.ufunc is not None and inp.numel() * dt.itemsize <= ONE_SHOT_BYTES and max(counts) <= region
-            and dt in kernels.NUMPY_VIEWABLE and (c <= 128 or dt is not _FLOAT16)):
+    if (_numpy_reduces(red, c, dt) and inp.numel() * dt.itemsize <= ONE_SHOT_BYTES and max(counts) <= region
+            and dt in kernels.NUMPY_VIEWABLE):
         # One round in numpy, as small_all_reduce (and in the same rank order).
         src = kernels.numpy_at(inp)
         slots = arena.numpy_slots(arena.next_parity(), src.dtype)

@@ -58,3 +58,18 @@ def test_cli_prints_a_line_per_world_mode_and_grace(capsys):
     main(["--worlds", "2", "--seeds", "1", "--steps", "60", "--at", "30", "60", "--grace", "0", "10"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 + 4 and all(line.count("x") >= 2 for line in lines[1:])
+
+
+def test_majority_at_two_ranks_converges_to_the_closed_form_ceiling():
+    """docs/partial.md derives it: one rank late by d every step, nothing else costing time,
+    full sync over majority tends to 3 - sqrt(3). Solo, by contrast, is near 2 (each rank is
+    late half the steps and nobody waits for it)."""
+    import random
+    rng = random.Random(5)
+    seq = [[0.0, 0.0] for _ in range(20000)]
+    for step in seq:
+        step[rng.randrange(2)] = 60.0
+    free = dict(compute=0.0, grace=0.0, overhead=0.0, max_staleness=10**9)
+    full = simulate("full", seq, 2, **free)[-1]
+    assert full / simulate("majority", seq, 2, **free)[-1] == pytest.approx(3 - 3 ** 0.5, rel=0.015)
+    assert full / simulate("solo", seq, 2, **free)[-1] == pytest.approx(2.0, rel=0.05)

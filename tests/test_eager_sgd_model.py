@@ -3,6 +3,8 @@ full sync where they must, and partial modes never take longer than full sync.""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tools.eager_sgd_model import main, simulate, stragglers
@@ -64,7 +66,6 @@ def test_majority_at_two_ranks_converges_to_the_closed_form_ceiling():
     """docs/partial.md derives it: one rank late by d every step, nothing else costing time,
     full sync over majority tends to 3 - sqrt(3). Solo, by contrast, is near 2 (each rank is
     late half the steps and nobody waits for it)."""
-    import random
     rng = random.Random(5)
     seq = [[0.0, 0.0] for _ in range(20000)]
     for step in seq:

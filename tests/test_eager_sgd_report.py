@@ -28,3 +28,9 @@ def test_speedups_are_ratios_of_medians_with_the_per_seed_spread():
     assert majority["speedup_to"]["0.9"] == pytest.approx(3.0 / 2.0)
     assert majority["seed_speedups_to"]["0.9"] == [1.0, 2.0, 2.0]
     assert "| 1.50x (1.00-2.00) |" in table(summarise(runs, {"target": 0.9}))
+
+
+def test_a_report_without_full_sync_has_no_speedups():
+    runs = [_run("solo", 0, 1.0, 8.0), _run("majority", 0, 2.0, 9.0)]
+    text = table(summarise(runs, {"target": 0.9}))
+    assert text.count("| n/a |") >= 2 and "x" not in text.split("\n", 2)[2]

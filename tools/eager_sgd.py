@@ -303,8 +303,8 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['world']} | {'yes' if r['imbalance'] else 'no'} | {r['mode']} | "
                    + " | ".join(f(r["time_to_s"][t], ".2f") for t in targets) +
                    f" | {r['median_step_ms']:.2f} | {r['total_time_s']:.2f} | {100 * r['final_acc']:.1f}% | "
-                   + " | ".join(speedup_cell(sp.get(t), r["seed_speedups_to"][t]) if r["mode"] != "full" else ""
-                                for t in targets) +
+                   + " | ".join(speedup_cell(sp.get(t), r.get("seed_speedups_to", {}).get(t, []))
+                                if r["mode"] != "full" else "" for t in targets) +
                    f" | {f(r.get('step_ratio'), '.3f')} | {f(r.get('time_ratio_total'), '.3f')} | "
                    f"{f(r.get('acc_delta_points'), '+.1f')} | "
                    f"{f(r.get('mean_count'), '.2f')} | {r.get('max_age', 'n/a')} |")

@@ -64,6 +64,15 @@ class Request:
         return f"{verb} {who} (tag {self.tag}, {self.sig.dtype}[{self.sig.numel}])"
 
 
+def _write(sock: socket.socket, req: Request) -> bool:
+    """Send what the (non-blocking) socket takes of ``req``'s frame from ``req.off`` on;
+    True once all of it has gone."""
+    hl = len(req.header)
+    iov = [req.header[req.off:], req.buf] if req.off < hl else [req.buf[req.off - hl:]]
+    req.off += sock.sendmsg(iov)
+    return req.off == hl + len(req.buf)
+
+
 class _Incoming:
     """A frame being read: into a posted request's buffer, or into a fresh unexpected buffer."""
 
@@ -140,10 +149,9 @@ class P2PEngine:
         it (2-rank round trip, sender computing 0.5 ms after its isend: median 1.04-1.09 ms
         with the handoff, 0.87-0.94 ms without)."""
         try:
-            req.off = self.conns[req.peer].sock.sendmsg([req.header, req.buf])
+            return _write(self.conns[req.peer].sock, req)
         except OSError:   # full (BlockingIOError), or broken: the progress thread takes over
             return False
-        return req.off == len(req.header) + len(req.buf)
 
     def irecv(self, peer: int, tag: int, buf: memoryview, dtype: str, numel: int, deadline: float) -> Request:
         req = Request("recv", peer, tag, Signature("p2p", tag, dtype, numel), buf, deadline)
@@ -231,18 +239,12 @@ class P2PEngine:
     def _progress_send(self, p: int) -> None:
         q, sock = self._sends[p], self.conns[p].sock
         while q:
-            req = q[0]
-            hl = len(req.header)
-            iov = [req.header[req.off:], req.buf] if req.off < hl else [req.buf[req.off - hl:]]
             try:
-                n = sock.sendmsg(iov)
+                if not _write(sock, q[0]):
+                    return
             except BlockingIOError:
                 return
-            req.off += n
-            if req.off < hl + len(req.buf):
-                return
-            q.popleft()
-            req.finish()
+            q.popleft().finish()
 
     def _progress_recv(self, p: int) -> None:
         conn = self.conns[p]

@@ -243,7 +243,7 @@ def summarise(runs: list[dict], o: dict) -> list[dict]:
     rows = []
     keys = sorted({(r["world"], r["imbalance"]) for r in runs})
     for world, imb in keys:
-        base = None
+        base, base_runs = None, []
         for mode in MODES:
             rs = [r for r in runs if (r["world"], r["imbalance"], r["mode"]) == (world, imb, mode)]
             if not rs:
@@ -261,26 +261,24 @@ def summarise(runs: list[dict], o: dict) -> list[dict]:
                 row["mean_count"] = statistics.fmean(r["rounds"]["mean_count"] for r in rs)
                 row["max_age"] = max(r["rounds"]["max_age"] for r in rs)
             if mode == "full":
-                base = row
+                base, base_runs = row, rs
             elif base is not None:
                 row["time_ratio_total"] = row["total_time_s"] / base["total_time_s"]
                 row["step_ratio"] = row["median_step_ms"] / base["median_step_ms"]
                 row["speedup_to"] = {tg: (base["time_to_s"][tg] / t if t and base["time_to_s"][tg] else None)
                                      for tg, t in row["time_to_s"].items()}
-                row["seed_speedups_to"] = {tg: per_seed_speedups(runs, world, imb, mode, tg) for tg in row["time_to_s"]}
+                row["seed_speedups_to"] = {tg: per_seed_speedups(base_runs, rs, tg) for tg in row["time_to_s"]}
                 row["acc_delta_points"] = 100 * (row["final_acc"] - base["final_acc"])
             rows.append(row)
     return rows
 
 
-def per_seed_speedups(runs: list[dict], world: int, imbalance: bool, mode: str, target: str) -> list[float]:
-    """Full sync's time to ``target`` over ``mode``'s, seed by seed (same straggler sequence
+def per_seed_speedups(full_runs: list[dict], mode_runs: list[dict], target: str) -> list[float]:
+    """Full sync's time to ``target`` over the mode's, seed by seed (same straggler sequence
     and batches): the spread the medians hide. Seeds where either never got there are left out."""
-    def times(m):
-        return {r["seed"]: r["time_to"][target] for r in runs
-                if (r["world"], r["imbalance"], r["mode"]) == (world, imbalance, m)}
-    full, part = times("full"), times(mode)
-    return sorted(full[s] / part[s] for s in part if part[s] and full.get(s))
+    full = {r["seed"]: r["time_to"][target] for r in full_runs}
+    return sorted(full[r["seed"]] / r["time_to"][target] for r in mode_runs
+                  if r["time_to"][target] and full.get(r["seed"]))
 
 
 def table(rows: list[dict]) -> str:

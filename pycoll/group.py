@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import algorithms, faults, hangdump, rendezvous, stragglers, trace
+from . import algorithms, callbacks, faults, hangdump, rendezvous, stragglers, trace
 from .errors import PycollError
 from .executor import DEFAULT_SEGMENT_BYTES, Executor
 from .p2p import P2PEngine
@@ -87,7 +87,9 @@ class Communicator:
         self.executor = Executor(self.transport, self.executor_segment)
         if self.mode != "tcp":
             self._init_shared_memory(store, hosts, timeout)
-        self.p2p = P2PEngine(rank, world, p2p_socks)
+        # User callbacks of futures that pycoll's own threads complete run here (callbacks.py).
+        self.runner = callbacks.Runner(f"pycoll-callbacks-{rank}")
+        self.p2p = P2PEngine(rank, world, p2p_socks, self.runner)
         self.tuner = Tuner(world, algo_overrides)
         self.error: BaseException | None = None
         self._seq = 0
@@ -98,8 +100,8 @@ class Communicator:
         self._running = False
         self._waiting = 0
         self._closed = False
-        self._worker = threading.Thread(target=self._work_loop, name=f"pycoll-worker-{rank}", daemon=True)
-        self._worker.start()
+        self._worker = callbacks.start_thread(self._work_loop, self.fail, f"pycoll-worker-{rank}",
+                                              self.runner)
         # Observability (docs/observability.md): per-op state for describe_pending, every
         # rank's arrivals for pycoll.stats, and the PYCOLL_TRACE / PYCOLL_DEBUG hook.
         self.current: tuple[str, int, float] | None = None
@@ -168,9 +170,16 @@ class Communicator:
                 work, task = self._queue.popleft()
                 self._running = True
             try:
-                work.complete(self._run(work.op, work.seq, work.op_timeout, task))
+                error = self._run(work.op, work.seq, work.op_timeout, task)
+            except BaseException as exc:  # noqa: BLE001 - the op's waiters get it too
+                error = exc
+                raise
             finally:
+                # Done and released before any callback runs: a callback may issue and
+                # wait for the next collective, which must find the group free.
+                work.mark_done(error)
                 self._release()
+            work.settle()
             if work is until:
                 return
 
@@ -222,6 +231,20 @@ class Communicator:
             self.tracer(("op", op, seq, t0, t1, self.mode))
         return None
 
+    def fail(self, exc: BaseException) -> None:
+        """Break the group with ``exc`` (a pycoll thread died of it): abort the transports so
+        that peers fail fast, and fail every queued op, whose waiters would wait in vain."""
+        if self.error is None:
+            self.error = exc
+        self.transport.abort(f"{type(exc).__name__}: {exc}")
+        if self.arena is not None:
+            self.arena.abort(f"{type(exc).__name__}: {exc}")
+        with self._lock:
+            queued, self._queue = list(self._queue), deque()
+        for work, _task in queued:
+            work.complete(PycollError(f"{work.op} seq {work.seq}: process group failed: "
+                                      f"{type(exc).__name__}: {exc}"))
+
     def _work_loop(self) -> None:
         while True:
             with self._cv:
@@ -261,3 +284,4 @@ class Communicator:
         self.transport.close()
         if self.arena is not None:
             self.arena.close()
+        self.runner.close()

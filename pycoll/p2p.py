@@ -19,6 +19,7 @@ matched it is read through a small fixed buffer, never allocated whole.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import select
 import socket
@@ -26,37 +27,36 @@ import threading
 import time
 from collections import deque
 
-from .errors import CommTimeoutError, PeerClosedError, ProtocolError
+from . import callbacks
+from .errors import CommError, CommTimeoutError, PeerClosedError, ProtocolError
 from .transport.tcp import Conn
-from .wire import DATA, Header, Signature, decode_header, header_length
+from .transport.base import control_error
+from .wire import (ABORT, DATA, Header, Signature, control_frame, control_payload_length, decode_header,
+                   header_length)
+
+log = logging.getLogger("pycoll")
 
 ANY = -1
+MAX_POLL_S = 60.0   # the progress thread's longest sleep: poll() takes int milliseconds
 MAX_UNEXPECTED_BYTES = int(os.environ.get("PYCOLL_MAX_UNEXPECTED_BYTES", 1 << 30))
 _SINK = 64 << 10
 
 
 class Request:
-    """One posted send or receive; completed by the progress thread."""
+    """One posted send or receive. The engine finishes it under its lock (``done``,
+    ``error``, ``source``) and calls ``on_done(request)`` once afterwards, holding no lock."""
 
     __slots__ = ("kind", "peer", "tag", "sig", "buf", "deadline", "done", "error", "source",
-                 "callbacks", "off", "header", "pos")
+                 "on_done", "off", "header", "pos")
 
-    def __init__(self, kind, peer, tag, sig, buf, deadline):
+    def __init__(self, kind, peer, tag, sig, buf, deadline, on_done=None):
         self.kind, self.peer, self.tag, self.sig, self.buf = kind, peer, tag, sig, buf
         self.deadline = deadline
         self.done = threading.Event()
         self.error: BaseException | None = None
         self.source = peer
-        self.callbacks: list = []
+        self.on_done = on_done
         self.off = 0
-
-    def finish(self, error: BaseException | None = None) -> None:
-        if self.done.is_set():
-            return
-        self.error = error
-        self.done.set()
-        for cb in self.callbacks:
-            cb(self)
 
     def describe(self) -> str:
         who = "any rank" if self.peer == ANY else f"rank {self.peer}"
@@ -103,8 +103,12 @@ class _Discard:
 
 
 class P2PEngine:
-    def __init__(self, rank: int, world: int, socks: dict[int, socket.socket]) -> None:
+    def __init__(self, rank: int, world: int, socks: dict[int, socket.socket],
+                 runner: callbacks.Runner | None = None) -> None:
         self.rank, self.world = rank, world
+        self._own_runner = runner is None
+        runner = runner or callbacks.Runner(f"pycoll-callbacks-{rank}")
+        self._runner = runner
         self.conns = {p: Conn(s, p) for p, s in socks.items()}
         self._lock = threading.Lock()
         self._sends: dict[int, deque[Request]] = {p: deque() for p in socks}
@@ -115,73 +119,131 @@ class P2PEngine:
         self._unexpected_bytes = 0
         self.max_unexpected = MAX_UNEXPECTED_BYTES
         self._dead: dict[int, str] = {}
+        self._finished: list[Request] = []   # finished under the lock, on_done not yet called
+        self._broken: BaseException | None = None  # the progress thread died of it
         self._closed = False
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        self._thread = threading.Thread(target=self._loop, name=f"pycoll-p2p-{rank}", daemon=True)
+        self._thread: threading.Thread | None = None
         if self.conns:
-            self._thread.start()
+            self._thread = callbacks.start_thread(self._loop, self._thread_failed, f"pycoll-p2p-{rank}", runner)
 
     # -- API ---------------------------------------------------------------------------
-    def isend(self, peer: int, tag: int, buf: memoryview, dtype: str, numel: int, deadline: float) -> Request:
-        req = Request("send", peer, tag, Signature("p2p", tag, dtype, numel), buf, deadline)
+    def isend(self, peer: int, tag: int, buf: memoryview, dtype: str, numel: int, deadline: float,
+              on_done=None) -> Request:
+        req = Request("send", peer, tag, Signature("p2p", tag, dtype, numel), buf, deadline, on_done)
         req.header = Header(DATA, req.sig, 0, 0, len(buf)).encode()
         with self._lock:
-            if peer in self._dead:
-                req.finish(self._dead_error(req, peer))
-                return req
-            if not self._sends[peer] and self._send_now(req):
-                sent = True
-            else:
-                self._sends[peer].append(req)
-                sent = False
-        if sent:
-            req.finish()   # outside the lock: callbacks may post more requests
-        else:
+            if not self._refuse(req):
+                if not self._sends[peer] and self._send_now(req):
+                    self._finish(req)
+                else:
+                    self._sends[peer].append(req)
+                    req = None
+        if req is None:
             self._wake()
+        else:
+            self._run_finished()
         return req
 
     def _send_now(self, req: Request) -> bool:
         """With nothing queued to the peer, send in the caller's thread as far as the socket
         takes it (call holding the lock): True when all of it went. A handoff to the
         progress thread costs a wake-up, and waits for the GIL as long as the caller keeps
-        it (2-rank round trip, sender computing 0.5 ms after its isend: median 1.04-1.09 ms
-        with the handoff, 0.87-0.94 ms without)."""
+        it (docs/performance.md, "point-to-point")."""
         try:
             return _write(self.conns[req.peer].sock, req)
         except OSError:   # full (BlockingIOError), or broken: the progress thread takes over
             return False
 
-    def irecv(self, peer: int, tag: int, buf: memoryview, dtype: str, numel: int, deadline: float) -> Request:
-        req = Request("recv", peer, tag, Signature("p2p", tag, dtype, numel), buf, deadline)
+    def irecv(self, peer: int, tag: int, buf: memoryview, dtype: str, numel: int, deadline: float,
+              on_done=None) -> Request:
+        req = Request("recv", peer, tag, Signature("p2p", tag, dtype, numel), buf, deadline, on_done)
+        posted = False
         with self._lock:
-            for item in self._unexpected:
-                _, src, hdr, data = item
-                if (peer in (ANY, src)) and hdr.sig.seq == tag:
-                    self._unexpected.remove(item)
-                    self._unexpected_bytes -= len(data)
-                    self._complete_recv(req, src, hdr, data)
-                    return req
-            if peer != ANY and peer in self._dead:
-                req.finish(self._dead_error(req, peer))
-                return req
-            self._posted.append(req)
-        self._wake()
+            if not self._refuse(req):
+                for item in self._unexpected:
+                    _, src, hdr, data = item
+                    if (peer in (ANY, src)) and hdr.sig.seq == tag:
+                        self._unexpected.remove(item)
+                        self._unexpected_bytes -= len(data)
+                        self._complete_recv(req, src, hdr, data)
+                        break
+                else:
+                    if peer != ANY and peer in self._dead:
+                        self._finish(req, self._dead_error(req, peer))
+                    else:
+                        self._posted.append(req)
+                        posted = True
+        if posted:
+            self._wake()
+        else:
+            self._run_finished()
         return req
 
-    def close(self) -> None:
+    def _refuse(self, req: Request) -> bool:
+        """Finish ``req`` at once (call holding the lock) if it cannot be served: the engine
+        is closed or broken, or (a send) its peer is gone."""
         if self._closed:
-            return
-        self._closed = True
+            error = PeerClosedError(f"rank {self.rank}: {req.describe()}: process group destroyed",
+                                    op=req.kind, seq=req.tag, rank=self.rank, peer=req.peer)
+        elif self._broken is not None:
+            error = PeerClosedError(f"rank {self.rank}: {req.describe()}: point-to-point engine failed: "
+                                    f"{type(self._broken).__name__}: {self._broken}",
+                                    op=req.kind, seq=req.tag, rank=self.rank, peer=req.peer)
+        elif req.kind == "send" and req.peer in self._dead:
+            error = self._dead_error(req, req.peer)
+        else:
+            return False
+        self._finish(req, error)
+        return True
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self._wake()
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
         self._fail_all(PeerClosedError(f"rank {self.rank}: process group destroyed", rank=self.rank))
         for c in self.conns.values():
             c.sock.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
+        if self._own_runner:
+            self._runner.close()
+
+    # -- finishing requests ----------------------------------------------------------------
+    def _finish(self, req: Request, error: BaseException | None = None) -> None:
+        """Finish ``req`` (call holding the lock); its on_done runs in _run_finished."""
+        if req.done.is_set():
+            return
+        req.error = error
+        req.done.set()
+        if req.on_done is not None:
+            self._finished.append(req)
+
+    def _run_finished(self) -> None:
+        """Call the on_done of every request finished so far, holding no lock (they complete
+        Works, whose future callbacks may post more requests)."""
+        if not self._finished:
+            return
+        with self._lock:
+            done, self._finished = self._finished, []
+        for req in done:
+            try:
+                req.on_done(req)
+            except Exception:  # noqa: BLE001 - one request's write-back must not stop the rest
+                log.exception("pycoll rank %d: completing %s failed", self.rank, req.describe())
+
+    def _thread_failed(self, exc: BaseException) -> None:
+        """The progress thread died of ``exc``: fail every request, now and later."""
+        with self._lock:
+            self._broken = exc
+        self._fail_all(PeerClosedError(f"rank {self.rank}: point-to-point engine failed: "
+                                       f"{type(exc).__name__}: {exc}", rank=self.rank))
 
     # -- progress thread ---------------------------------------------------------------
     def _wake(self) -> None:
@@ -199,7 +261,8 @@ class P2PEngine:
                     if p not in self._dead:
                         poller.register(c.fd, select.POLLIN | (select.POLLOUT if self._sends[p] else 0))
                 timeout = self._next_deadline()
-            poller.poll(None if timeout is None else max(0, timeout) * 1000)
+            # Bounded slices: a deadline days away must not overflow poll's int milliseconds.
+            poller.poll(MAX_POLL_S * 1000 if timeout is None else max(0.0, min(timeout, MAX_POLL_S)) * 1000)
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
@@ -209,11 +272,16 @@ class P2PEngine:
                     if p in self._dead:
                         continue
                     try:
-                        self._progress_send(p)
+                        try:
+                            self._progress_send(p)
+                        except OSError:
+                            self._progress_recv(p)   # the peer may have said why it stopped
+                            raise
                         self._progress_recv(p)
-                    except (OSError, EOFError, ProtocolError) as exc:
+                    except (OSError, EOFError, CommError) as exc:
                         self._peer_failed(p, exc)
                 self._expire()
+            self._run_finished()
 
     def _next_deadline(self):
         pending = [r.deadline for r in self._posted] + [q[0].deadline for q in self._sends.values() if q]
@@ -223,12 +291,12 @@ class P2PEngine:
         now = time.monotonic()
         for req in [r for r in self._posted if r.deadline <= now]:
             self._posted.remove(req)
-            req.finish(CommTimeoutError(f"rank {self.rank}: {req.describe()} timed out",
+            self._finish(req, CommTimeoutError(f"rank {self.rank}: {req.describe()} timed out",
                                         op="recv", seq=req.tag, rank=self.rank, peer=req.peer))
         for p, q in self._sends.items():
             if q and q[0].deadline <= now:
                 req = q.popleft()
-                req.finish(CommTimeoutError(
+                self._finish(req, CommTimeoutError(
                     f"rank {self.rank}: {req.describe()} timed out ({req.off} of "
                     f"{len(req.header) + len(req.buf)} bytes accepted)", op="send", seq=req.tag,
                     rank=self.rank, peer=p))
@@ -244,7 +312,7 @@ class P2PEngine:
                     return
             except BlockingIOError:
                 return
-            q.popleft().finish()
+            self._finish(q.popleft())
 
     def _progress_recv(self, p: int) -> None:
         conn = self.conns[p]
@@ -256,9 +324,16 @@ class P2PEngine:
                     hlen = header_length(conn.rbuf[conn.rpos:conn.rpos + 4])
                     if avail >= 4 + hlen:
                         hdr = decode_header(conn.rbuf[conn.rpos + 4:conn.rpos + 4 + hlen])
-                        conn.rpos += 4 + hlen
-                        self._reading[p] = self._match(p, hdr)
-                        continue
+                        if hdr.kind == DATA:
+                            conn.rpos += 4 + hlen
+                            self._reading[p] = self._match(p, hdr)
+                            continue
+                        # A control frame (the peer stopped, and says why): raise its reason.
+                        start = conn.rpos + 4 + hlen
+                        plen = control_payload_length(hdr)
+                        if avail >= 4 + hlen + plen:
+                            payload = bytes(conn.rbuf[start:start + plen])
+                            raise control_error(hdr, payload, self.rank, p, f"point-to-point with rank {p}")
                 if conn.fill() == 0:
                     return
                 continue
@@ -280,7 +355,7 @@ class P2PEngine:
             del self._reading[p]
             if inc.req is not None:
                 inc.req.source = p
-                inc.req.finish()
+                self._finish(inc.req)
             elif not inc.discard:
                 # A receive may have been posted while this frame was being read into a
                 # buffer of its own: it takes the frame now instead of waiting forever.
@@ -303,7 +378,7 @@ class P2PEngine:
                 if hdr.nbytes == len(req.buf) and hdr.sig.dtype == req.sig.dtype:
                     return _Incoming(req, hdr, req.buf)
                 # Drain the payload, then fail only this request: the stream stays usable.
-                req.finish(self._size_error(req, p, hdr))
+                self._finish(req, self._size_error(req, p, hdr))
                 if hdr.nbytes > self.max_unexpected:
                     raise self._too_big(p, hdr)
                 return _Incoming(None, hdr, _Discard(hdr.nbytes), discard=True)
@@ -326,11 +401,11 @@ class P2PEngine:
 
     def _complete_recv(self, req: Request, src: int, hdr: Header, data: memoryview) -> None:
         if hdr.nbytes != len(req.buf) or hdr.sig.dtype != req.sig.dtype:
-            req.finish(self._size_error(req, src, hdr))
+            self._finish(req, self._size_error(req, src, hdr))
             return
         req.buf[:] = data
         req.source = src
-        req.finish()
+        self._finish(req)
 
     def _dead_error(self, req: Request, peer: int) -> PeerClosedError:
         return PeerClosedError(f"rank {self.rank}: {req.describe()} failed: rank {peer} "
@@ -339,20 +414,34 @@ class P2PEngine:
     def _peer_failed(self, p: int, exc: BaseException) -> None:
         self._dead[p] = "closed the connection (died or aborted)" if isinstance(exc, (EOFError, ConnectionError)) \
             else f"failed: {exc}"
+        if isinstance(exc, ProtocolError) and exc.origin < 0:
+            self._tell_peer(p, exc)
         self._reading.pop(p, None)
         for req in list(self._sends[p]):
-            req.finish(self._dead_error(req, p))
+            self._finish(req, self._dead_error(req, p))
         self._sends[p].clear()
         for req in [r for r in self._posted if r.peer == p]:
             self._posted.remove(req)
-            req.finish(self._dead_error(req, p))
+            self._finish(req, self._dead_error(req, p))
+
+    def _tell_peer(self, p: int, exc: BaseException) -> None:
+        """This rank stops reading from ``p`` because of what ``p`` sent: say why in an ABORT
+        frame and end the stream, so that ``p`` fails at once instead of at its deadline."""
+        conn, q = self.conns[p], self._sends[p]
+        try:
+            if not (q and q[0].off):   # never inside a half-written frame of our own
+                conn.sock.send(control_frame(ABORT, str(exc), self.rank, type(exc).__name__))
+            conn.sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:
             for q in self._sends.values():
                 for req in q:
-                    req.finish(exc)
+                    self._finish(req, exc)
                 q.clear()
             for req in self._posted:
-                req.finish(exc)
+                self._finish(req, exc)
             self._posted.clear()
+        self._run_finished()

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import slow_wait
+from . import callbacks, slow_wait
 from .errors import CommTimeoutError, PycollError
 from .partial_activation import Activations
 from .partial_rounds import MODES, NF, Contribution, Ledger, RoundInfo, majority_initiator
@@ -108,12 +108,14 @@ class PartialAllReduce:
         self._parked = False               # the progress thread drives but waits for a trigger
         self._activated: set[int] = set()          # rounds an activation arrived for
         self._timer: tuple[int, float] | None = None   # (round, when): activate unless done by then
+        # Futures that this object's threads complete settle on runner threads (callbacks.py).
+        self._runner = callbacks.Runner(f"pycoll-partial-callbacks-{self.rank}")
         self._act = Activations(self._pg, self.rank, self._peers, lock, self._notify_all,
-                                successor=ranks[(self.rank + 1) % self.world], keepalive_s=self.timeout / 4)
+                                successor=ranks[(self.rank + 1) % self.world], keepalive_s=self.timeout / 4,
+                                runner=self._runner)
         self.history: deque[RoundInfo] = deque(maxlen=history)
-        self._thread = threading.Thread(target=self._progress, name=f"pycoll-partial-{self.rank}",
-                                        daemon=True)
-        self._thread.start()
+        self._thread = callbacks.start_thread(self._progress, self._fail, f"pycoll-partial-{self.rank}",
+                                              self._runner)
 
     # ---- the training thread's side ---------------------------------------------------
     def submit(self, tensor: torch.Tensor) -> PartialWork:
@@ -217,6 +219,7 @@ class PartialAllReduce:
                 dist.destroy_process_group(self._pg)
             except (RuntimeError, ValueError):
                 self._pg.shutdown()  # pycoll subgroups lack a c10d group name (docs/partial.md)
+            self._runner.close()
         if self._error is not None:
             raise PycollError(f"PartialAllReduce rank {self.rank}: closed after the progress "
                               f"thread failed: {self._error}") from self._error

@@ -22,13 +22,17 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from . import callbacks
+
 TAG = 0x5041  # "PA"; the group is private, so it cannot collide with user tags
 KEEPALIVE = -1  # the round number of a keepalive: older than any round, so always dropped
 
 
 class Activations:
     def __init__(self, group, rank: int, peers: list[int], lock: threading.Lock,
-                 on_arrival: Callable[[], None], successor: int, keepalive_s: float) -> None:
+                 on_arrival: Callable[[], None], successor: int, keepalive_s: float,
+                 runner: callbacks.Runner) -> None:
+        self.runner = runner
         self.group, self.rank, self.peers = group, rank, peers
         self.successor, self.keepalive_s = successor, keepalive_s
         self._send_lock = threading.Lock()   # sends come from the progress, user and keepalive threads
@@ -49,9 +53,8 @@ class Activations:
         try:
             fut = work.get_future()
         except RuntimeError:  # gloo's receives have no future: a thread waits instead
-            self._waiter = threading.Thread(target=self._wait, args=(work,), name="pycoll-partial-recv",
-                                            daemon=True)
-            self._waiter.start()
+            self._waiter = callbacks.start_thread(lambda: self._wait(work), self._died, "pycoll-partial-recv",
+                                                  self.runner)
             return
         fut.add_done_callback(self._arrived)
 
@@ -61,6 +64,11 @@ class Activations:
             self._waited = (work, None)
         except Exception as exc:  # noqa: BLE001 - take() re-raises it on the progress thread
             self._waited = (work, exc)
+        self._arrived(None)
+
+    def _died(self, exc: BaseException) -> None:
+        """A thread of ours failed unexpectedly: the waiting side sees it on take()."""
+        self._waited = (self._inbox[0] if self._inbox else None, exc)
         self._arrived(None)
 
     def _arrived(self, _fut) -> None:
@@ -101,8 +109,8 @@ class Activations:
             self._sends = still
 
     def start_keepalive(self) -> None:
-        self._keeper = threading.Thread(target=self._keep, name="pycoll-partial-keepalive", daemon=True)
-        self._keeper.start()
+        self._keeper = callbacks.start_thread(self._keep, self._died, "pycoll-partial-keepalive",
+                                              self.runner)
 
     def _keep(self) -> None:
         while not self._stop.wait(self.keepalive_s):

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .algorithms.schedule import chunks, displacements
+from .errors import MismatchError
 from . import kernels
 from .kernels import copy
 from .reduce_ops import Reduction
@@ -362,23 +363,42 @@ def all_to_all(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, send_count
     # Word 7 (not compared) carries each rank's largest block: all ranks need the global
     # maximum to agree on the number of rounds.
     arena.publish(words + (max(send_counts, default=0),), new_op=False)
-    region = arena.slot_bytes // dt.itemsize // L
+    # The first round's slot starts with every rank's send counts, so that each rank checks
+    # what its peers send it against what it expects: split sizes are per rank, so no
+    # signature word can hold them, and a disagreement must not pass as stale data.
+    head = -(-8 * L // 64) * 64
+    region = (arena.slot_bytes - head) // dt.itemsize // L
     sdisp, rdisp = displacements(list(send_counts)), displacements(list(recv_counts))
     off, rounds = 0, 1
     while off == 0 or off < rounds * region:
         p = arena.next_parity()
-        mine = arena.slot(me, p, dt)
+        mine = arena.slot(me, p)[head:].view(dt)
+        if off == 0:
+            arena.slot(me, p)[:8 * L].view(torch.int64).copy_(torch.tensor(send_counts, dtype=torch.int64))
         for q in range(L):
             c = max(0, min(region, send_counts[q] - off))
             copy(mine[q * region:q * region + c], inp[sdisp[q] + off:sdisp[q] + off + c])
         barrier()
         if off == 0:
+            _check_split_sizes(arena, p, recv_counts, what)
             gmax = max(arena.peer_word(q, 7) for q in range(L))
             rounds = max(1, -(-gmax // region))
         for q in range(L):
             c = max(0, min(region, recv_counts[q] - off))
-            copy(out[rdisp[q] + off:rdisp[q] + off + c], arena.slot(q, p, dt)[me * region:me * region + c])
+            copy(out[rdisp[q] + off:rdisp[q] + off + c], arena.slot(q, p)[head:].view(dt)[me * region:me * region + c])
         off += region
+
+
+def _check_split_sizes(arena: ShmArena, parity: int, recv_counts: tuple[int, ...], what: str) -> None:
+    """Each peer's published send count to this rank must be what this rank expects."""
+    L, me = arena.size, arena.me
+    for q in range(L):
+        sent = int(arena.slot(q, parity)[8 * me:8 * me + 8].view(torch.int64))
+        if sent != recv_counts[q]:
+            raise MismatchError(
+                f"{what}: split sizes disagree: rank {arena.ranks[q]} sends {sent} elements to rank "
+                f"{arena.ranks[me]}, which expects {recv_counts[q]} from it", rank=arena.ranks[me],
+                peer=arena.ranks[q])
 
 
 def barrier(arena: ShmArena, words, deadline: float, what: str) -> None:

@@ -19,8 +19,8 @@ from . import collectives as C
 from .group import Communicator
 from .reduce_ops import make_reduction
 from .torch_p2p import PointToPoint
-from .validation import (check_root, check_tensor, check_tensors, flat, flat_out, no_write_back,
-                         same_dtype, unflatten_into)
+from .validation import (check_outputs, check_root, check_tensor, check_tensors, flat, flat_in, flat_out,
+                         no_write_back, same_dtype, unflatten_into)
 from .work import Work, completed
 from .cuda.dispatch import install as _install_cuda_dispatch
 
@@ -75,13 +75,13 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         opts = opts or dist.AllreduceOptions()
         (t,) = check_tensors(tensors, "allreduce", exactly=1)
         red = make_reduction(opts.reduceOp, t.dtype, self._size)
-        f, back = flat(t)
+        f, back = flat(t, "allreduce")
         task = C.all_reduce_task(self._comm, f, red)
         return self._submit("all_reduce", [t], task if back is no_write_back else _then(task, back), opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()
-        ts = check_tensors(tensors, "allreduce_coalesced")
+        ts = check_outputs(tensors, "allreduce_coalesced")
         dtype = same_dtype(ts, "allreduce_coalesced")
         red = make_reduction(opts.reduceOp, dtype, self._size)
 
@@ -96,7 +96,7 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         (t,) = check_tensors(tensors, "reduce", exactly=1)
         root = check_root(opts.rootRank, self._size, "reduce")
         red = make_reduction(opts.reduceOp, t.dtype, self._size)
-        f, back = flat(t)
+        f, back = flat(t, "reduce")
 
         def task(seq, deadline):
             C.reduce(self._comm, f, root, red, seq, deadline)
@@ -115,7 +115,7 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
                              f"{self._rank} has {ins[self._rank].numel()}")
         red = make_reduction(opts.reduceOp, out.dtype, self._size)
         counts = tuple(x.numel() for x in ins)
-        o, back = flat_out(out)
+        o, back = flat_out(out, "reduce_scatter output")
 
         def task(seq, deadline):
             inp = torch.cat([x.reshape(-1) for x in ins])
@@ -131,8 +131,8 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
             raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
                              f"output size x world size = {out.numel() * self._size}")
         red = make_reduction(opts.reduceOp, out.dtype, self._size)
-        o, back = flat_out(out)
-        i, _ = flat(inp)
+        o, back = flat_out(out, "reduce_scatter_tensor output")
+        i = flat_in(inp)
         counts = (out.numel(),) * self._size
 
         def task(seq, deadline):
@@ -152,7 +152,7 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         opts = opts or dist.BroadcastOptions()
         (t,) = check_tensors(tensors, "broadcast", exactly=1)
         root = check_root(opts.rootRank, self._size, "broadcast")
-        f, back = flat(t)
+        f, back = flat(t, "broadcast")
 
         def task(seq, deadline):
             C.broadcast(self._comm, f, root, seq, deadline)
@@ -163,9 +163,9 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         (inp,) = check_tensors(input_tensors, "allgather input", exactly=1)
         if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
             raise ValueError(f"allgather: output list must hold {self._size} tensors (one per rank)")
-        outs = check_tensors(output_tensors[0], "allgather output")
+        outs = check_outputs(output_tensors[0], "allgather output")
         self._check_parts(outs, inp, "allgather")
-        i, _ = flat(inp)
+        i = flat_in(inp)
 
         def task(seq, deadline):
             buf = torch.empty(inp.numel() * self._size, dtype=inp.dtype)
@@ -179,8 +179,8 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         if out.numel() != inp.numel() * self._size:
             raise ValueError(f"all_gather_into_tensor: output has {out.numel()} elements, expected "
                              f"input size x world size = {inp.numel() * self._size}")
-        o, back = flat_out(out)
-        i, _ = flat(inp)
+        o, back = flat_out(out, "all_gather_into_tensor output")
+        i = flat_in(inp)
 
         def task(seq, deadline):
             C.all_gather(self._comm, o, i, seq, deadline)
@@ -200,7 +200,7 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         if len(output_lists) != self._size or any(len(o) != len(ins) for o in output_lists):
             raise ValueError(f"allgather_coalesced: output must be {self._size} lists of {len(ins)} tensors")
         for outs in output_lists:
-            for o, i in zip(check_tensors(outs, "allgather_coalesced output"), ins):
+            for o, i in zip(check_outputs(outs, "allgather_coalesced output"), ins):
                 self._check_parts([o], i, "allgather_coalesced")
         n = sum(t.numel() for t in ins)
 
@@ -219,11 +219,11 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         if self._rank == root:
             if len(output_tensors) != 1 or len(output_tensors[0]) != self._size:
                 raise ValueError(f"gather: the root's output list must hold {self._size} tensors")
-            outs = check_tensors(output_tensors[0], "gather output")
+            outs = check_outputs(output_tensors[0], "gather output")
             self._check_parts(outs, inp, "gather")
         elif output_tensors and any(output_tensors):
             raise ValueError("gather: non-root ranks must not pass output tensors")
-        i, _ = flat(inp)
+        i = flat_in(inp)
 
         def task(seq, deadline):
             buf = torch.empty(inp.numel() * self._size, dtype=inp.dtype) if outs else None
@@ -244,7 +244,7 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
             self._check_parts(ins, out, "scatter")
         elif input_tensors and any(input_tensors):
             raise ValueError("scatter: non-root ranks must not pass input tensors")
-        o, back = flat_out(out)
+        o, back = flat_out(out, "scatter output")
 
         def task(seq, deadline):
             buf = torch.cat([x.reshape(-1) for x in ins]) if ins else None
@@ -253,13 +253,14 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         return self._submit("scatter", [out], task, opts)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
-        outs = check_tensors(output_tensors, "alltoall output")
+        outs = check_outputs(output_tensors, "alltoall output")
         ins = check_tensors(input_tensors, "alltoall input")
         if len(outs) != self._size or len(ins) != self._size:
             raise ValueError(f"alltoall: input and output lists must hold {self._size} tensors each")
         dtype = same_dtype([*outs, *ins], "alltoall")
         send_counts = tuple(t.numel() for t in ins)
         recv_counts = tuple(t.numel() for t in outs)
+        self._check_own_block(send_counts, recv_counts, "alltoall")
 
         def task(seq, deadline):
             send = torch.cat([t.reshape(-1) for t in ins])
@@ -273,8 +274,9 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         same_dtype([out, inp], "all_to_all_single")
         send_counts = _split_counts(inp, input_split_sizes, self._size, "input")
         recv_counts = _split_counts(out, output_split_sizes, self._size, "output")
-        o, back = flat_out(out)
-        i, _ = flat(inp)
+        self._check_own_block(send_counts, recv_counts, "all_to_all_single")
+        o, back = flat_out(out, "all_to_all_single output")
+        i = flat_in(inp)
 
         def task(seq, deadline):
             C.all_to_all(self._comm, o, i, send_counts, recv_counts, seq, deadline)
@@ -300,6 +302,12 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
                 raise TypeError(f"{op}: dtype {p.dtype} does not match {ref.dtype}")
             if p.numel() != ref.numel():
                 raise ValueError(f"{op}: tensor of {p.numel()} elements where {ref.numel()} were expected")
+
+    def _check_own_block(self, send_counts, recv_counts, op: str) -> None:
+        """The block a rank sends itself is the one it receives from itself."""
+        if send_counts[self._rank] != recv_counts[self._rank]:
+            raise ValueError(f"{op}: rank {self._rank} sends {send_counts[self._rank]} elements to "
+                             f"itself but expects {recv_counts[self._rank]} from itself")
 
     def _coalesced(self, fn, outputs, inputs, opts) -> Work:
         if len(outputs) != len(inputs):

@@ -17,7 +17,7 @@ import torch
 from . import collectives as C
 from .executor import byte_view
 from .p2p import ANY
-from .validation import check_tensors, flat, flat_out
+from .validation import check_tensors, flat_in, flat_out
 from .work import Work
 
 MONITORED_BARRIER_TAG = -(1 << 40)
@@ -29,36 +29,38 @@ class PointToPoint:
     def send(self, tensors, dst_rank: int, tag: int = 0):
         (t,) = check_tensors(tensors, "send", exactly=1)
         peer = self._check_peer(dst_rank, "send")
-        f, _ = flat(t)
+        f = flat_in(t)
         return self._p2p("send", peer, tag, t, f, None)
 
     def recv(self, tensors, src_rank: int, tag: int = 0):
         (t,) = check_tensors(tensors, "recv", exactly=1)
         peer = self._check_peer(src_rank, "recv")
-        f, back = flat_out(t)
+        f, back = flat_out(t, "recv")
         return self._p2p("recv", peer, tag, t, f, back)
 
     def recv_anysource(self, tensors, tag: int = 0):
         (t,) = check_tensors(tensors, "recv", exactly=1)
-        f, back = flat_out(t)
+        f, back = flat_out(t, "recv")
         return self._p2p("recv", ANY, tag, t, f, back)
 
     def _p2p(self, op, peer, tag, t, f, back) -> Work:
         work = Work(op, tag, [t])
-        eng, deadline = self._comm.p2p, self._deadline()
-        mv = byte_view(f)
-        name = C.dtype_name(f.dtype)
-        req = (eng.isend if op == "send" else eng.irecv)(peer, tag, mv, name, f.numel(), deadline)
 
         def done(r):
-            if r.error is None and back is not None:
-                with torch.no_grad():
-                    back()
-            work._source = r.source
-            work.complete(r.error)
-        req.callbacks.append(done)
-        if req.done.is_set():
-            done(req)
+            # The engine's thread, holding no lock: pycoll's write-back, then the Work, whose
+            # future callbacks (user code) are handed on to where user code may run.
+            error = r.error
+            if error is None and back is not None:
+                try:
+                    with torch.no_grad():
+                        back()
+                except Exception as exc:  # noqa: BLE001 - the Work must end, with the reason
+                    error = exc
+            work._src = r.source
+            work.complete(error)
+
+        post = self._comm.p2p.isend if op == "send" else self._comm.p2p.irecv
+        post(peer, tag, byte_view(f), C.dtype_name(f.dtype), f.numel(), self._deadline(), done)
         return work
 
     def monitored_barrier(self, timeout=None, wait_all_ranks: bool = False):

@@ -62,6 +62,11 @@ def check_tensors(ts, what: str, exactly: int | None = None) -> list[torch.Tenso
     return [check_tensor(t, what) for t in ts]
 
 
+def check_outputs(ts, what: str) -> list[torch.Tensor]:
+    """``check_tensors`` for tensors that results are copied into."""
+    return [check_writable(t, what) for t in check_tensors(ts, what)]
+
+
 def same_dtype(ts: list[torch.Tensor], what: str) -> torch.dtype | None:
     dtypes = {t.dtype for t in ts}
     if len(dtypes) > 1:
@@ -79,18 +84,43 @@ def no_write_back() -> None:
     """The write-back of a tensor that ``flat`` or ``flat_out`` did not copy."""
 
 
-def flat(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
-    """A flat contiguous tensor holding ``t``'s data, and a write-back for in-place results."""
-    if t.is_contiguous():
+def check_writable(t: torch.Tensor, what: str) -> torch.Tensor:
+    """``t`` can receive a result: no two of its elements share memory (an expanded view
+    would make the write-back fail after the communication, breaking the group)."""
+    if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
+        raise ValueError(f"{what}: the tensor has elements that share memory (an expanded or "
+                         f"stride-0 view), so results cannot be written into it; pass a tensor "
+                         f"that owns its elements, e.g. t.clone()")
+    return t
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """Its memory holds its values as they read: contiguous, and no lazy negation or
+    conjugation bit (``torch._neg_view``, ``.conj()``) that raw bytes would lose."""
+    return t.is_contiguous() and not (t.is_neg() or t.is_conj())
+
+
+def flat_in(t: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous tensor of ``t``'s values, for an input that is only read."""
+    if _plain(t):
+        return t if t.dim() == 1 else t.view(-1)
+    return t.resolve_conj().resolve_neg().reshape(-1).contiguous()
+
+
+def flat(t: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], None]]:
+    """A flat contiguous tensor holding ``t``'s values, and a write-back for in-place results."""
+    if _plain(t):
         return (t if t.dim() == 1 else t.view(-1)), no_write_back
-    work = t.contiguous().view(-1)
+    check_writable(t, what)
+    work = t.resolve_conj().resolve_neg().contiguous().view(-1)
     return work, lambda: t.copy_(work.view_as(t))
 
 
-def flat_out(t: torch.Tensor) -> tuple[torch.Tensor, Callable[[], None]]:
+def flat_out(t: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], None]]:
     """Like ``flat`` for an output-only tensor: no copy of the old contents is needed."""
-    if t.is_contiguous():
+    if _plain(t):
         return (t if t.dim() == 1 else t.view(-1)), no_write_back
+    check_writable(t, what)
     work = torch.empty(t.numel(), dtype=t.dtype)
     return work, lambda: t.copy_(work.view(t.shape))
 

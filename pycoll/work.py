@@ -1,9 +1,16 @@
 """Work: the handle a c10d call returns, as gloo's: wait, is_completed, exception, future.
 
-A Work completes exactly once, from whichever thread ran the operation. ``wait`` first
-helps the group make progress (it runs queued operations up to its own in the calling
-thread, which saves a thread handoff on the latency-critical synchronous path), then
-blocks with the op's deadline, then re-raises the op's error.
+A Work completes exactly once, from whichever thread ran the operation: first it is marked
+done (``mark_done``, under no lock), then its future is settled (``settle``), which runs the
+user's future callbacks where user code may run (``pycoll.callbacks``). ``wait`` first helps
+the group make progress (it runs queued operations up to its own in the calling thread,
+which saves a thread handoff on the latency-critical synchronous path), then blocks with
+the op's deadline, then re-raises the op's error.
+
+The future torch sees is ``source.then(_unwrap)``: a failed op makes ``_unwrap`` raise, so
+the error is held by the C++ future as an error (its ``value()`` throws). Setting a Python
+exception as a plain future's result would hand torch's C++ code (the DDP reducer) an
+exception object where it expects tensors.
 """
 
 from __future__ import annotations
@@ -14,10 +21,27 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import callbacks
 from .errors import CommTimeoutError
 
 
 _FUTURE_LOCK = threading.Lock()
+
+
+class _Failure:
+    """The source future's result when the op failed (see the module docstring)."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(source: torch.futures.Future):
+    value = source.value()
+    if type(value) is _Failure:
+        raise value.error
+    return value
 
 
 class Work(dist.Work):
@@ -25,8 +49,9 @@ class Work(dist.Work):
     # attribute set in __init__ costs there.
     _error: BaseException | None = None
     _future: torch.futures.Future | None = None  # made on first get_future()
+    _source: torch.futures.Future | None = None  # the future _future is chained to
     _settled = False
-    _source = -1
+    _src = -1  # the peer a receive got its message from
     _gate = None
     op_timeout: float | None = None
     _driver = None
@@ -43,13 +68,23 @@ class Work(dist.Work):
         self._gate.acquire()
 
     def complete(self, error: BaseException | None = None) -> None:
+        """Mark done and settle the future (call holding no pycoll lock)."""
+        if self.mark_done(error):
+            self.settle()
+
+    def mark_done(self, error: BaseException | None = None) -> bool:
+        """Done, for waiters; runs no user code. False if it was done already."""
         if self._done:
-            return
+            return False
         self._error = error
         self._done = True
         self._gate.release()
+        return True
+
+    def settle(self) -> None:
+        """Settle the future, if anyone asked for one (call holding no pycoll lock)."""
         if self._future is not None:
-            self._settle()
+            callbacks.deliver(self._settle)
 
     def _settle(self) -> None:
         with _FUTURE_LOCK:
@@ -57,10 +92,7 @@ class Work(dist.Work):
                 return
             self._settled = True
         # Outside the lock: the future's callbacks may use other Works' futures.
-        if self._error is None:
-            self._future.set_result(self._outputs)
-        else:
-            self._future.set_exception(self._error)
+        self._source.set_result(self._outputs if self._error is None else _Failure(self._error))
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self._done:
@@ -96,9 +128,10 @@ class Work(dist.Work):
     def get_future(self) -> torch.futures.Future:
         with _FUTURE_LOCK:
             if self._future is None:
-                self._future = torch.futures.Future()
+                self._source = torch.futures.Future()
+                self._future = self._source.then(_unwrap)
         if self._done:
-            self._settle()
+            callbacks.deliver(self._settle)
         return self._future
 
     def result(self) -> list[torch.Tensor]:
@@ -107,7 +140,7 @@ class Work(dist.Work):
 
     def source_rank(self) -> int:
         self.wait()
-        return self._source
+        return self._src
 
     def _source_rank(self) -> int:
         return self.source_rank()

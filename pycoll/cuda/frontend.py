@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .. import rendezvous
 from ..errors import PycollError
 from ..reduce_ops import make_reduction
-from ..validation import check_root, flat, same_dtype
+from ..validation import check_root, flat, flat_in, same_dtype
 from . import paths, staging
 from .checks import _parts, check_all, check_cuda, common_device, flat_out, local_facts
 from .work import CudaWork
@@ -133,7 +133,7 @@ class CudaChannel:
         red = self._red(opts, t.dtype)
 
         def fn():
-            f, back = flat(t)
+            f, back = flat(t, "cuda")
             self.impl.all_reduce(f, red)
             back()
         return self._run("all_reduce", device, stream, [t], fn)
@@ -162,7 +162,7 @@ class CudaChannel:
         red = self._red(opts, t.dtype)
 
         def fn():
-            f, back = flat(t)
+            f, back = flat(t, "cuda")
             self.impl.reduce(f, root, red)
             back()
         return self._run("reduce", device, stream, [t], fn)
@@ -197,7 +197,7 @@ class CudaChannel:
 
         def fn():
             o, back = flat_out(out)
-            i, _ = flat(inp)
+            i = flat_in(inp)
             self.impl.reduce_scatter(o, i, (out.numel(),) * self.world, red)
             back()
         return self._run("reduce_scatter", device, stream, [out], fn)
@@ -209,7 +209,7 @@ class CudaChannel:
         root = check_root(opts.rootRank, self.world, "broadcast")
 
         def fn():
-            f, back = flat(t)
+            f, back = flat(t, "cuda")
             self.impl.broadcast(f, root)
             back()
         return self._run("broadcast", device, stream, [t], fn)
@@ -224,7 +224,7 @@ class CudaChannel:
         def fn():
             n = inp.numel()
             buf = torch.empty(n * self.world, dtype=inp.dtype, device=device)
-            self.impl.all_gather(buf, flat(inp)[0])
+            self.impl.all_gather(buf, flat_in(inp))
             for r, o in enumerate(outs):
                 o.copy_(buf[r * n:(r + 1) * n].view_as(o))
         return self._run("all_gather", device, stream, outs, fn)
@@ -238,7 +238,7 @@ class CudaChannel:
 
         def fn():
             o, back = flat_out(out)
-            self.impl.all_gather(o, flat(inp)[0])
+            self.impl.all_gather(o, flat_in(inp))
             back()
         return self._run("all_gather", device, stream, [out], fn)
 
@@ -281,7 +281,7 @@ class CudaChannel:
         def fn():
             n = inp.numel()
             buf = torch.empty(n * self.world, dtype=inp.dtype, device=device) if outs else None
-            self.impl.gather(buf, flat(inp)[0], root)
+            self.impl.gather(buf, flat_in(inp), root)
             for r, o in enumerate(outs):
                 o.copy_(buf[r * n:(r + 1) * n].view_as(o))
         return self._run("gather", device, stream, outs, fn)
@@ -333,7 +333,7 @@ class CudaChannel:
 
         def fn():
             o, back = flat_out(out)
-            self.impl.all_to_all(o, flat(inp)[0], sc, rc)
+            self.impl.all_to_all(o, flat_in(inp), sc, rc)
             back()
         return self._run("all_to_all", device, stream, [out], fn)
 
@@ -344,7 +344,7 @@ class CudaChannel:
     def send(self, device, stream, tensors, dst_rank: int, tag: int = 0):
         (t,) = check_all(tensors, "send", exactly=1)
         peer = self.pg._check_peer(dst_rank, "send")
-        return self._run("send", device, stream, [t], lambda: self.impl.send(flat(t)[0], peer))
+        return self._run("send", device, stream, [t], lambda: self.impl.send(flat_in(t), peer))
 
     def recv(self, device, stream, tensors, src_rank: int, tag: int = 0):
         (t,) = check_all(tensors, "recv", exactly=1)

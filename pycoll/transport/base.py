@@ -70,6 +70,13 @@ def check_header(expect: Header, got: Header, rank: int, peer: int) -> None:
         raise MismatchError(
             f"collective mismatch: rank {rank} called {expect.sig.describe()} but rank {peer} "
             f"called {got.sig.describe()}", op=expect.sig.op, seq=expect.sig.seq, rank=rank, peer=peer)
+    if (expect.sig.op == "all_to_all" and (got.step, got.seg) == (expect.step, expect.seg)
+            and got.nbytes != expect.nbytes):
+        # Per-pair sizes are in no signature: the frame's byte count is where they show.
+        raise MismatchError(
+            f"{expect.sig.describe()}: split sizes disagree: rank {peer} sent {got.nbytes} bytes "
+            f"(step {got.step} segment {got.seg}) to rank {rank}, which expects {expect.nbytes}",
+            op=expect.sig.op, seq=expect.sig.seq, rank=rank, peer=peer)
     if (got.step, got.seg, got.nbytes) != (expect.step, expect.seg, expect.nbytes):
         raise ProtocolError(
             f"{expect.sig.describe()}: rank {rank} expected step {expect.step} segment {expect.seg} "

@@ -14,9 +14,11 @@ import torch.distributed as dist
 
 from .errors import (AuthenticationError, CommError, CommTimeoutError, MismatchError,
                      PeerClosedError, ProtocolError, PycollError)
+from . import torch_compat
 from .cuda.paths import backend_devices
 from .stragglers import stats
 from .torch_backend import ProcessGroupPycoll, create
+from .work import Work
 from .partial import PartialAllReduce  # eager-SGD partial all-reduce; also pycoll.partial.*
 
 __version__ = "0.1.0"
@@ -24,7 +26,9 @@ BACKEND_NAME = "pycoll"
 
 
 def _register() -> None:
-    if BACKEND_NAME.upper() not in dist.Backend._plugins:
+    torch_compat.install()
+    torch_compat.skip_dynamo(ProcessGroupPycoll, Work)
+    if BACKEND_NAME.upper() not in torch_compat.registered_backends():
         # "cuda" only on a CUDA build of torch, decided without touching the driver (a CUDA
         # context made at import would break ranks forked from this process).
         devices = backend_devices(torch.version.cuda is not None)
@@ -33,7 +37,7 @@ def _register() -> None:
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):
     """gloo's monitored_barrier for pycoll groups (torch's own wrapper only accepts gloo)."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg = group if group is not None else torch_compat.default_group()
     return pg.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
 
@@ -45,7 +49,7 @@ def set_algorithm(collective: str, name: str, group=None) -> None:
     from . import algorithms
 
     algorithms.get(collective, name)  # ValueError listing the valid names
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg = group if group is not None else torch_compat.default_group()
     pg._comm.tuner.overrides[collective] = name
 
 

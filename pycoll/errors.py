@@ -25,7 +25,20 @@ class CommError(PycollError):
 
 
 class CommTimeoutError(CommError, TimeoutError):
-    """A blocking wait passed its deadline."""
+    """A blocking wait passed its deadline.
+
+    ``timeout_s``, once known (the communicator sets it for the op that timed out), adds
+    torch's usual wording to the message ("Timed out waiting 1000ms"), which tools written
+    for gloo and NCCL search for.
+    """
+
+    timeout_s: float | None = None
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        if self.timeout_s is None:
+            return text
+        return f"{text}; Timed out waiting {round(self.timeout_s * 1000)}ms (the op's timeout)"
 
 
 class PeerClosedError(CommError, ConnectionError):

@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from . import algorithms, callbacks, faults, hangdump, rendezvous, stragglers, trace
-from .errors import PycollError
+from . import algorithms, callbacks, faults, hangdump, rendezvous, stragglers, torch_compat, trace
+from .errors import CommTimeoutError, PycollError
 from .executor import DEFAULT_SEGMENT_BYTES, Executor
 from .p2p import P2PEngine
 from .transport.shm import ShmArena
@@ -37,9 +37,7 @@ from .work import Work, finished
 log = logging.getLogger("pycoll")
 
 Task = Callable[[int, float], None]  # fn(seq, deadline)
-# torch._C's setter: the public torch.set_grad_enabled is a context-manager class, and
-# constructing it costs three times as much on every op
-_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch._C._set_grad_enabled
+_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch_compat.set_grad_enabled
 
 
 @functools.lru_cache(maxsize=1024)
@@ -207,9 +205,12 @@ class Communicator:
         grad = _grad_enabled()
         if grad:
             _set_grad_enabled(False)
+        limit = timeout or self.timeout
         try:
-            task(seq, t0 + (timeout or self.timeout))
+            task(seq, t0 + limit)
         except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            if isinstance(exc, CommTimeoutError) and exc.timeout_s is None:
+                exc.timeout_s = limit
             hangdump.on_failure(self, exc)
             self.current = None
             # Arguments were validated before submission, so any failure here happened

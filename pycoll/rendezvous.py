@@ -1,7 +1,9 @@
 """What ranks exchange through the c10d Store at init: secrets, addresses, host identity.
 
 The Store handed to the backend is the only side channel: no private server, no files.
-Keys live under the group's prefix store, so groups and jobs cannot collide.
+Keys live under the group's prefix store, so groups and jobs cannot collide, and under a
+generation prefix (``generation_store``), so that a restart or a re-init on the same store
+never reads the keys of an earlier attempt.
 """
 
 from __future__ import annotations
@@ -9,6 +11,22 @@ from __future__ import annotations
 import os
 import secrets
 import socket
+
+
+def generation_store(store, rank: int):
+    """``store`` under a prefix of its own for this group's generation.
+
+    torchrun keeps its store across elastic restarts, and a job may destroy and re-create
+    a group on one store: a rank reading the previous generation's keys would dial dead
+    addresses or map an unlinked segment. The generation is torchrun's restart count and
+    a counter of this rank's inits on this store (every rank creates its groups in the
+    same order, so the ranks' counters agree).
+    """
+    import torch.distributed as dist
+
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    gen = store.add(f"pycoll/{restart}/inits/{rank}", 1)
+    return dist.PrefixStore(f"pycoll/{restart}.{gen}/", store)
 
 
 def group_secret(store, rank: int) -> bytes:

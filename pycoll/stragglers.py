@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from . import torch_compat
 from .executor import byte_view
 from .trace import sync_clock
 
@@ -29,9 +30,7 @@ STATS_TAG = -(1 << 43)
 
 
 def _comm_of(group):
-    import torch.distributed as dist
-
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    pg = group if group is not None else torch_compat.default_group()
     comm = getattr(pg, "_comm", None)
     if comm is None:
         try:

@@ -10,12 +10,15 @@ frame headers and is checked by the transport.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import collectives as C
+from . import rendezvous
+from . import sparse
 from .group import Communicator
 from .reduce_ops import make_reduction
 from .torch_p2p import PointToPoint
@@ -23,6 +26,14 @@ from .validation import (check_outputs, check_root, check_tensor, check_tensors,
                          no_write_back, same_dtype, unflatten_into)
 from .work import Work, completed
 from .cuda.dispatch import install as _install_cuda_dispatch
+from .cuda.paths import backend_devices
+
+
+@dataclass
+class Options:
+    """What c10d copies from a parent group's backend into a split (``backend.options``)."""
+
+    _timeout: timedelta
 
 
 # send, recv, recv_anysource and monitored_barrier come from PointToPoint (pycoll/torch_p2p.py).
@@ -31,15 +42,17 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._timeout = timeout
-        self._store = store  # CUDA calls exchange their set-up through it (pycoll/cuda)
+        # This generation's keys only; CUDA calls and splits exchange their set-up through it.
+        self._store = store = rendezvous.generation_store(store, rank)
         self._comm = Communicator(store, rank, size, timeout.total_seconds())
         self._mb_count = 0
 
     # -- identity ----------------------------------------------------------------------
+    is_pycoll = True   # how torch_compat's wrappers tell a pycoll group from others
+
     def getBackendName(self) -> str:
         return "pycoll"
 
-    @property
     def name(self) -> str:
         return "pycoll"
 
@@ -66,6 +79,65 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
     def getGroupDesc(self) -> str:
         return getattr(self, "_group_desc", "")
 
+    # -- the per-device backend lookups (docs/c10d.md) -------------------------------------
+    # torch finds a group's backend per device (``pg._get_backend(device)``) and asks it what
+    # it supports. A C++ Backend cannot be made from Python, and torch uses a ProcessGroup
+    # subclass as the group itself, so the group answers for its devices.
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(d) for d in backend_devices(torch.version.cuda is not None)]
+
+    def _get_backend(self, device) -> "ProcessGroupPycoll":
+        kind = torch.device(device).type
+        if kind not in backend_devices(torch.version.cuda is not None):
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
+
+    supports_splitting = True
+    supports_coalescing = False
+
+    @property
+    def supports_shrinking(self) -> bool:
+        return hasattr(self, "shrink")
+
+    @property
+    def options(self) -> Options:
+        return Options(self._timeout)
+
+    def get_group_store(self):
+        return self._store
+
+    def _set_sequence_number_for_group(self) -> None:
+        """c10d asks gloo and nccl to agree on a first sequence number; ours start at 0."""
+
+    def _set_default_timeout(self, timeout: timedelta) -> None:
+        """The timeout of every later op (``dist.distributed_c10d._set_pg_timeout``)."""
+        self._timeout = timeout
+        self._comm.timeout = timeout.total_seconds()
+
+    def eager_connect_single_device(self, device=None) -> None:
+        """Connections are made at construction: nothing is left to connect."""
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None,
+                    device_types=None):
+        """A new group of the parent-group ranks ``ranks`` (c10d's ``ProcessGroup.split_group``).
+
+        Called by every rank of this group with the split it belongs to; ranks outside
+        ``ranks`` get None. The members meet through this group's store, under the split's
+        name (c10d gives each split a unique one).
+        """
+        ranks = sorted(int(r) for r in ranks)
+        if self._rank not in ranks:
+            return None
+        if timeout is None:
+            timeout = opts._timeout if isinstance(opts, Options) else self._timeout
+        name = group_name or f"split-{'-'.join(map(str, ranks))}"
+        store = dist.PrefixStore(f"pycoll/split/{name}/", self._store)
+        pg = ProcessGroupPycoll(store, ranks.index(self._rank), len(ranks), timeout)
+        pg._set_group_name(name)
+        pg._set_group_desc(group_desc or f"{self.getGroupDesc()}:split")
+        return pg
+
     def _submit(self, op: str, outputs: list, task, opts=None) -> Work:
         return self._comm.submit(op, outputs, task, not getattr(opts, "asyncOp", True),
                                  _op_timeout(opts))
@@ -73,11 +145,18 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
     # -- reductions ----------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
+        if len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
+            return self._sparse_allreduce(tensors[0], opts)
         (t,) = check_tensors(tensors, "allreduce", exactly=1)
         red = make_reduction(opts.reduceOp, t.dtype, self._size)
         f, back = flat(t, "allreduce")
         task = C.all_reduce_task(self._comm, f, red)
         return self._submit("all_reduce", [t], task if back is no_write_back else _then(task, back), opts)
+
+    def _sparse_allreduce(self, t, opts):
+        red = make_reduction(opts.reduceOp, t.dtype, self._size)
+        sparse.check(t, red, "allreduce")
+        return self._submit("all_reduce", [t], functools.partial(sparse.all_reduce, self._comm, t), opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or dist.AllreduceCoalescedOptions()

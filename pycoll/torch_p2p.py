@@ -18,6 +18,7 @@ from . import collectives as C
 from .executor import byte_view
 from .p2p import ANY
 from .validation import check_tensors, flat_in, flat_out
+from .errors import CommTimeoutError
 from .work import Work
 
 MONITORED_BARRIER_TAG = -(1 << 40)
@@ -56,6 +57,8 @@ class PointToPoint:
                         back()
                 except Exception as exc:  # noqa: BLE001 - the Work must end, with the reason
                     error = exc
+            if isinstance(error, CommTimeoutError) and error.timeout_s is None:
+                error.timeout_s = self._timeout.total_seconds()
             work._src = r.source
             work.complete(error)
 
@@ -74,7 +77,7 @@ class PointToPoint:
 
         self._mb_count += 1
         tag = MONITORED_BARRIER_TAG - self._mb_count
-        return monitored_barrier(self, tag, timeout or self._timeout, wait_all_ranks)
+        return monitored_barrier(self, tag, self._timeout if timeout is None else timeout, wait_all_ranks)
 
     # -- helpers -------------------------------------------------------------------------
     def _deadline(self) -> float:

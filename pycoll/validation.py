@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from .reduce_ops import SUPPORTED_DTYPES
+from .torch_compat import has_internal_overlap
 
 _STRIDED = torch.strided
 CUDA_HINT = ("CUDA tensors need pycoll's CUDA support: install the extra with "
@@ -87,7 +88,7 @@ def no_write_back() -> None:
 def check_writable(t: torch.Tensor, what: str) -> torch.Tensor:
     """``t`` can receive a result: no two of its elements share memory (an expanded view
     would make the write-back fail after the communication, breaking the group)."""
-    if not t.is_contiguous() and torch._debug_has_internal_overlap(t) == 1:
+    if not t.is_contiguous() and has_internal_overlap(t) == 1:
         raise ValueError(f"{what}: the tensor has elements that share memory (an expanded or "
                          f"stride-0 view), so results cannot be written into it; pass a tensor "
                          f"that owns its elements, e.g. t.clone()")

@@ -106,8 +106,10 @@ class Work(dist.Work):
             self._driver(self)
         if not self._done:
             if not self._gate.acquire(timeout=-1 if limit is None else limit):
-                raise CommTimeoutError(f"{self.op} seq {self.seq}: Work.wait timed out after {limit} s",
-                                       op=self.op, seq=self.seq)
+                error = CommTimeoutError(f"{self.op} seq {self.seq}: Work.wait timed out after {limit} s",
+                                         op=self.op, seq=self.seq)
+                error.timeout_s = limit
+                raise error
             self._gate.release()
         if self._error is not None:
             raise self._error

@@ -457,7 +457,7 @@ def _bad_inputs(rank: int, world: int) -> dict:
         "send peer out of range": lambda g: dist.send(f, dst=W, group=g),
         "recv peer out of range": lambda g: dist.recv(f.clone(), src=W + 1, group=g),
         "send to self": lambda g: dist.send(f, dst=0, group=g),
-        "sparse all_reduce": lambda g: dist.all_reduce(torch.eye(3).to_sparse(), group=g),
+        "sparse all_reduce MAX": lambda g: dist.all_reduce(torch.eye(3).to_sparse(), op=dist.ReduceOp.MAX, group=g),
         "sparse broadcast": lambda g: dist.broadcast(torch.eye(3).to_sparse(), src=0, group=g),
         "BAND on float": lambda g: dist.all_reduce(f.clone(), op=dist.ReduceOp.BAND, group=g),
         "PREMUL_SUM on int": lambda g: dist.all_reduce(i64.clone(), op=dist._make_nccl_premul_sum(2.0), group=g),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pycoll.torch_names import all_gather_single as _all_gather, reduce_scatter_single as _reduce_scatter
+from pycoll.torch_compat import all_gather_single as _all_gather, reduce_scatter_single as _reduce_scatter
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

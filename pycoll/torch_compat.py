@@ -1,0 +1,139 @@
+"""Every private or version-dependent piece of torch that pycoll touches, in one place.
+
+pycoll is tested with torch 2.13 (README). Newer releases may move what is private; each
+piece is looked up here, once, and a missing one fails with a message that names this
+torch's version and the piece, instead of an AttributeError deep inside a collective.
+Optional pieces (the Dynamo skip) degrade with one log line.
+
+Two torch functions cannot reach a Python process group as torch writes them, and are
+wrapped (the wrapper hands every other group to torch's original):
+
+- ``distributed_c10d._set_pg_timeout`` sets timeouts only on ``ProcessGroupGloo`` /
+  ``ProcessGroupNCCL`` instances found through ``_get_backend``;
+- ``distributed_c10d._create_shrunk_process_group`` registers the shrunk backend on a
+  fresh C++ ``ProcessGroup``, which accepts only C++ backends: a pycoll group is already
+  a whole ProcessGroup, so it is used as the shrunk group itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+log = logging.getLogger("pycoll")
+
+TESTED = "2.13"
+
+
+class TorchCompatError(RuntimeError):
+    """This torch lacks a piece that pycoll needs."""
+
+
+def _need(owner, attr: str, what: str):
+    try:
+        return getattr(owner, attr)
+    except AttributeError:
+        name = getattr(owner, "__name__", type(owner).__name__)
+        raise TorchCompatError(
+            f"pycoll needs {what} ({name}.{attr}), which torch {torch.__version__} does not have; "
+            f"pycoll is tested with torch {TESTED} (see the README)") from None
+
+
+# -- pieces used on every call -----------------------------------------------------------
+# The grad-mode setter from torch._C: torch.set_grad_enabled is a context-manager class, and
+# constructing it costs three times as much on every op.
+set_grad_enabled = _need(torch._C, "_set_grad_enabled", "the grad-mode setter")
+has_internal_overlap = _need(torch, "_debug_has_internal_overlap", "the memory-overlap check")
+default_group = _need(c10d, "_get_default_group", "the default group lookup")
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single and warns
+# (FutureWarning) on every call of the old names; older torch has only those.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def registered_backends() -> dict:
+    """torch's table of third-party backends (name -> plugin)."""
+    return _need(dist.Backend, "_plugins", "the backend plugin table")
+
+
+# -- torch.compile -----------------------------------------------------------------------
+def skip_dynamo(*classes) -> None:
+    """Make Dynamo run these classes' methods, and everything they call, without tracing.
+
+    Dynamo traces every Python frame that runs while a compiled region is active, also one
+    that C++ calls back into: DDP's reducer rebuilding its buckets inside a compiled DDP
+    forward calls the group's ``broadcast`` (gloo's is C++, so nothing is traced there).
+    Marking the code objects is what ``torch._dynamo.disable`` does, without importing
+    Dynamo (1.7 s) at ``import pycoll``.
+    """
+    try:
+        ef = torch._C._dynamo.eval_frame
+        strategy = ef._FrameExecStrategy(ef._FrameAction.SKIP, ef._FrameAction.SKIP)
+        mark = ef.set_code_exec_strategy
+    except AttributeError as exc:
+        log.info("pycoll: torch %s has no frame-skip hook (%s); torch.compile may trace into "
+                 "pycoll's process group", torch.__version__, exc)
+        return
+    for cls in classes:
+        for klass in cls.__mro__:
+            if klass.__module__.split(".")[0] != "pycoll":
+                continue
+            for value in vars(klass).values():
+                for fn in (value, getattr(value, "fget", None), getattr(value, "__func__", None)):
+                    code = getattr(fn, "__code__", None)
+                    if code is not None:
+                        mark(code, strategy)
+
+
+# -- wrapped torch functions -----------------------------------------------------------------
+def _is_pycoll(group) -> bool:
+    return getattr(group, "is_pycoll", False) is True
+
+
+def _wrap_set_pg_timeout() -> None:
+    original = _need(c10d, "_set_pg_timeout", "_set_pg_timeout")
+    if getattr(original, "_pycoll", False):
+        return
+
+    def _set_pg_timeout(timeout, group=None):
+        pg = group if group is not None else default_group()
+        if _is_pycoll(pg):
+            pg._set_default_timeout(timeout)
+            return None
+        return original(timeout, group)
+
+    _set_pg_timeout._pycoll = True
+    _set_pg_timeout.__doc__ = original.__doc__
+    c10d._set_pg_timeout = _set_pg_timeout
+
+
+def _wrap_create_shrunk_process_group() -> None:
+    original = getattr(c10d, "_create_shrunk_process_group", None)
+    if original is None or getattr(original, "_pycoll", False):
+        return   # a torch without shrink_group: nothing to reach
+
+    def _create_shrunk_process_group(new_backend, remaining_ranks, metadata, is_default_group):
+        if not _is_pycoll(new_backend):
+            return original(new_backend, remaining_ranks, metadata, is_default_group)
+        name = metadata["new_group_name"]
+        desc = "default:shrunken" if is_default_group else f"{metadata['original_group_name']}:shrunk"
+        new_backend._set_group_name(name)
+        new_backend._set_group_desc(desc)
+        if metadata.get("bound_device_id") is not None:
+            new_backend.bound_device_id = metadata["bound_device_id"]
+        if metadata.get("backend_config") is not None:
+            c10d._world.pg_backend_config[new_backend] = metadata["backend_config"]
+        return new_backend
+
+    _create_shrunk_process_group._pycoll = True
+    c10d._create_shrunk_process_group = _create_shrunk_process_group
+
+
+def install() -> None:
+    """Wrap the torch functions above (idempotent; called by ``import pycoll``)."""
+    _wrap_set_pg_timeout()
+    _wrap_create_shrunk_process_group()

@@ -8,9 +8,14 @@ never reads the keys of an earlier attempt.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import logging
 import os
 import secrets
 import socket
+
+log = logging.getLogger("pycoll")
 
 
 def generation_store(store, rank: int):
@@ -30,12 +35,58 @@ def generation_store(store, rank: int):
 
 
 def group_secret(store, rank: int) -> bytes:
-    """A 32-byte secret drawn by rank 0 and read by every other rank (blocks until set)."""
+    """The 32-byte secret of this group's connection handshakes (blocks until rank 0 drew it).
+
+    Rank 0 draws a fresh value and shares it through the Store. With no key of the user's,
+    that value is the secret: anyone who can read the Store (torch's TCPStore listens on
+    every interface) could join. With ``PYCOLL_AUTH_KEY`` / ``PYCOLL_AUTH_KEY_FILE`` the
+    secret is HMAC(key, value): the Store's copy alone proves nothing (docs/faults.md).
+    """
     if rank == 0:
-        secret = secrets.token_bytes(32)
-        store.set("pycoll/secret", secret.hex())
-        return secret
-    return bytes.fromhex(store.get("pycoll/secret").decode())
+        value = secrets.token_bytes(32)
+        store.set("pycoll/secret", value.hex())
+    else:
+        value = bytes.fromhex(store.get("pycoll/secret").decode())
+    key = auth_key()
+    if key is None:
+        _tell_no_key()
+        return value
+    return hmac.new(key, b"pycoll-group-secret" + value, hashlib.sha256).digest()
+
+
+def auth_key() -> bytes | None:
+    """The user's key: ``PYCOLL_AUTH_KEY`` (its UTF-8 bytes) or the bytes of the file named
+    by ``PYCOLL_AUTH_KEY_FILE``, which the launcher gives every rank; None if neither."""
+    text, path = os.environ.get("PYCOLL_AUTH_KEY"), os.environ.get("PYCOLL_AUTH_KEY_FILE")
+    if text and path:
+        raise ValueError("set PYCOLL_AUTH_KEY or PYCOLL_AUTH_KEY_FILE, not both")
+    if text:
+        return text.encode()
+    if not path:
+        return None
+    try:
+        if os.stat(path).st_mode & 0o077:
+            log.warning("pycoll: PYCOLL_AUTH_KEY_FILE=%s can be read by other users (chmod 600 it)", path)
+        with open(path, "rb") as f:
+            key = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"PYCOLL_AUTH_KEY_FILE={path}: {exc}") from None
+    if not key:
+        raise ValueError(f"PYCOLL_AUTH_KEY_FILE={path} is empty")
+    return key
+
+
+_told = False
+
+
+def _tell_no_key() -> None:
+    global _told
+    if not _told:
+        _told = True
+        log.warning("pycoll: no PYCOLL_AUTH_KEY: connections are authenticated with a secret kept in "
+                    "the c10d Store, so they are only as safe as the Store is unreachable to others "
+                    "(torch's TCPStore listens on every interface). Give every rank the same "
+                    "PYCOLL_AUTH_KEY or PYCOLL_AUTH_KEY_FILE (docs/faults.md, threat model).")
 
 
 def local_address() -> str:

@@ -7,10 +7,12 @@ default transport is shared memory. Each test says which path it forces, if any.
 from __future__ import annotations
 
 import os
+import re
 import resource
 import signal
 import threading
 import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -347,3 +349,79 @@ def test_the_barrier_after_a_sleep_spins_long_enough_to_catch_a_late_waker():
             if a is not None:
                 a.close()
     assert results == [[]], f"rank 0 slept in the barrier after a sleep: {results}"
+
+
+# -- segment lifetime at init --------------------------------------------------------------------
+def _killed_between_create_and_map(rank, world):
+    """Local rank 0 is killed the moment it has published its new segment, before any other
+    rank could map it: the window in which a named segment would be left behind."""
+    from pycoll.transport import shm
+
+    original = shm._map_segment
+
+    def map_then_die(store, key, local_rank, size, total, timeout):
+        if local_rank != 0:
+            return original(store, key, local_rank, size, total, timeout)
+
+        class DieAfterPublishing:
+            def __getattr__(self, name):
+                return getattr(store, name)
+
+            def set(self, k, v):
+                store.set(k, v)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return original(DieAfterPublishing(), key, local_rank, size, total, timeout)
+
+    shm._map_segment = map_then_die
+    try:
+        dist.init_process_group("pycoll", rank=rank, world_size=world, store=rank_store(),
+                                timeout=timedelta(seconds=10))
+    except Exception as exc:  # noqa: BLE001 - the survivor's error is the result
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        shm._map_segment = original
+    dist.destroy_process_group()
+    return "no error"
+
+
+def test_kill9_between_creating_and_mapping_the_segment_leaves_nothing():
+    before = {n for n in os.listdir("/dev/shm") if n.startswith("pycoll-")}
+    for _ in range(3):
+        res = run_ranks(_killed_between_create_and_map, 2, timeout=60, may_die=(0,),
+                        env={"PYCOLL_TRANSPORT": "shm"})
+        assert res[0] == "died"
+        assert re.search(r"rank 0\b.*died", res[1]), res[1]
+    assert {n for n in os.listdir("/dev/shm") if n.startswith("pycoll-")} <= before
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+def test_another_user_cannot_open_the_segment():
+    from datetime import timedelta as td
+
+    from pycoll.transport.shm import ShmArena
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=td(seconds=30))
+    arenas = {}
+    creator = threading.Thread(target=lambda: arenas.setdefault(0, ShmArena(store, "arena", 0, 2, [0, 1], 20.0)))
+    creator.start()
+    path = store.get("arena/name").decode()
+    pid = os.fork()
+    if pid == 0:   # another user tries to open the segment while it waits for rank 1
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            os.open(path, os.O_RDWR)
+            os._exit(1)
+        except PermissionError:
+            os._exit(0)
+        except BaseException:  # noqa: BLE001
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    arenas[1] = ShmArena(store, "arena", 1, 2, [0, 1], 20.0)
+    creator.join(20)
+    try:
+        assert os.waitstatus_to_exitcode(status) == 0, "another user opened the segment"
+        assert not path.startswith("/dev/shm")
+    finally:
+        for a in arenas.values():
+            a.close()

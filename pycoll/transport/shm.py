@@ -1,13 +1,15 @@
-"""Shared-memory arena for the ranks of one host: a /dev/shm segment plus futex-based sync.
+"""Shared-memory arena for the ranks of one host: an anonymous shared segment plus futex-based sync.
 
 Layout: one 256-byte control line per local rank (its sync epoch, abort flag, pid and the
 signatures of its current and previous collective), then two staging slots per rank (double-buffered:
 a round writes one parity while peers may still read the other).
 
-Lifetime: local rank 0 creates the segment 0600 with a random name under /dev/shm and
-publishes the name through the Store; every local rank maps it and says so through the
-Store; rank 0 then unlinks it. From that moment the memory lives only as long as the
-mappings, so ``kill -9`` of any rank at any time leaves nothing in /dev/shm.
+Lifetime: local rank 0 creates the segment with ``memfd_create``, which gives it no name in
+any file system, and publishes its ``/proc/<pid>/fd/<n>`` path through the Store; every
+local rank opens that path (the kernel lets only the creator's user, and root, do it: the
+ptrace read check) and maps it, and rank 0 closes its descriptor once all have. The memory
+lives exactly as long as a mapping or descriptor of it, so ``kill -9`` of any rank at any
+moment, during init too, leaves nothing behind: there is nothing in /dev/shm to leak.
 
 Sync: ``sync()`` is a barrier over epochs. Each rank owns its epoch word (single writer, so
 a plain store suffices on x86's ordered stores). A waiter spins briefly (only where every
@@ -28,7 +30,6 @@ import functools
 import logging
 import mmap
 import os
-import secrets
 import struct
 import time
 
@@ -138,7 +139,7 @@ class ShmArena:
         self.slot_bytes = max(4096, slot // 4096 * 4096)
         self.ctrl_bytes = -(-size * LINE // 4096) * 4096
         total = self.ctrl_bytes + 2 * size * self.slot_bytes
-        self.mm = _map_segment(store, key, local_rank, size, total, timeout)
+        self.mm, creator = _map_segment(store, key, local_rank, size, total, timeout)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
         self._ctrl = np.frombuffer(self.mm, dtype=np.int32, count=self.ctrl_bytes // 4)
         self._sig = np.frombuffer(self.mm, dtype=np.int64, count=self.ctrl_bytes // 8)
@@ -159,7 +160,10 @@ class ShmArena:
                                   for parity in (0, 1))
         self._ctrl[w + 2] = os.getpid()
         self.closed = False
-        self.pids: list[int] | None = None
+        # Whose death a barrier can notice: the creator's pid is known from its segment's
+        # path, the others' once they have written their control line (0: not yet).
+        self.pids: list[int] = [0] * size
+        self.pids[0], self.pids[local_rank] = creator, os.getpid()
         self._typed: dict = {}
         self._np_views: dict = {}
         self.rounds = 0
@@ -288,9 +292,11 @@ class ShmArena:
                 if not slept:
                     ctrl[me_word + SLEEP] = slept = 1
                 _futex_wait(self._base + word * 4, v, min(left, WAIT_SLICE, slow_wait.due(now)))
-                if self.pids is not None and ctrl[word] == v and not _alive(self.pids[r]):
-                    raise PeerClosedError(f"{what}: rank {self.ranks[r]} (pid {self.pids[r]}) died",
-                                          rank=self.ranks[self.me], peer=self.ranks[r])
+                if ctrl[word] == v:
+                    pid = self.pids[r] or ctrl[word + 2]
+                    if pid and not _alive(pid):
+                        raise PeerClosedError(f"{what}: rank {self.ranks[r]} (pid {pid}) died",
+                                              rank=self.ranks[self.me], peer=self.ranks[r])
         if slept:
             ctrl[me_word + SLEEP] = 0
         self._spin_now = SPIN_AFTER_SLEEP if slept else self.spin   # (read only when self.spin)
@@ -331,33 +337,34 @@ class ShmArena:
 
 
 def _map_segment(store, key: str, local_rank: int, size: int, total: int, timeout: float) -> mmap.mmap:
+    deadline = time.monotonic() + timeout
     if local_rank == 0:
-        name = f"/dev/shm/pycoll-{os.getpid()}-{secrets.token_hex(8)}"
-        fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.memfd_create("pycoll-arena", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, total)
             mm = mmap.mmap(fd, total)
-            store.set(f"{key}/name", name)
-            # Unlink as soon as every local rank has it mapped: from then on a crash of
-            # any rank leaves nothing behind in /dev/shm.
+            store.set(f"{key}/name", f"/proc/{os.getpid()}/fd/{fd}")
+            # The path lives as long as this descriptor: keep it until every local rank
+            # has opened it (a crash of this rank meanwhile fails their open, leaks nothing).
             store.add(f"{key}/mapped", 1)
-            deadline = time.monotonic() + timeout
             while store.add(f"{key}/mapped", 0) < size:
                 if time.monotonic() > deadline:
                     raise CommTimeoutError(f"shm init: local ranks did not map the segment within {timeout} s")
                 time.sleep(0.001)
         finally:
             os.close(fd)
-            try:
-                os.unlink(name)
-            except FileNotFoundError:
-                pass
-        return mm
-    name = store.get(f"{key}/name").decode()
-    fd = os.open(name, os.O_RDWR)
+        return mm, os.getpid()
+    path = store.get(f"{key}/name").decode()
+    creator = int(path.split("/")[2])
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError as exc:
+        why = "rank 0 died" if not _alive(creator) else "rank 0 runs as another user"
+        raise PeerClosedError(f"shm init: cannot open local rank 0's segment {path}: {exc.strerror} "
+                              f"({why})") from None
     try:
         mm = mmap.mmap(fd, total)
     finally:
         os.close(fd)
     store.add(f"{key}/mapped", 1)
-    return mm
+    return mm, creator

@@ -13,11 +13,13 @@ fails with an error that points at the original one.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import logging
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -98,6 +100,7 @@ class Communicator:
         self._running = False
         self._waiting = 0
         self._closed = False
+        self._shut = False
         self._worker = callbacks.start_thread(self._work_loop, self.fail, f"pycoll-worker-{rank}",
                                               self.runner)
         # Observability (docs/observability.md): per-op state for describe_pending, every
@@ -106,6 +109,7 @@ class Communicator:
         self.arrivals: deque = deque(maxlen=stragglers.WINDOW)
         self.tracer = None
         trace.attach(self)
+        _LIVE.add(self)
 
     def _init_shared_memory(self, store, hosts: list[str], timeout: float) -> None:
         """Map this host's arena; in hierarchical mode also the leaders' TCP sub-transport."""
@@ -271,18 +275,69 @@ class Communicator:
         return hangdump.describe(self)
 
     # -- lifecycle -------------------------------------------------------------------
-    def shutdown(self, abort: bool = False) -> None:
-        """Finish (or, with ``abort``, fail) queued ops, then release sockets and threads."""
-        if abort:
-            self.transport.abort("aborted by the user")
+    def shutdown(self, abort: bool = False, reason: str = "aborted by the user") -> None:
+        """Finish queued and running ops (as gloo does; with ``abort``, fail them with
+        ``reason``), then release sockets and threads. Idempotent.
+
+        An op that another thread is running finishes first, within its own deadline; one
+        that still runs after that is failed with an error saying the group was destroyed
+        under it, instead of meeting released sockets and memory.
+        """
         with self._cv:
-            self._closed = True
+            if self._shut:
+                return
+            self._shut = self._closed = True
             self._cv.notify_all()
+        _LIVE.discard(self)
+        if abort:
+            self._abort_transports(reason)
+        limit = 5.0 if abort else self.timeout
         if threading.current_thread() is not self._worker:
-            self._worker.join(self.timeout if not abort else 5)
+            self._worker.join(limit)
+        if not self._wait_idle(limit):
+            op = self.current
+            what = f"{op[0]} seq {op[1]}" if op else "an operation"
+            self._abort_transports(f"process group destroyed while {what} was running")
+            self._wait_idle(5.0)
         trace.detach(self, abort)
         self.p2p.close()
         self.transport.close()
         if self.arena is not None:
             self.arena.close()
         self.runner.close()
+
+    def _abort_transports(self, reason: str) -> None:
+        self.transport.abort(reason)
+        if self.arena is not None:
+            self.arena.abort(reason)
+
+    def _wait_idle(self, seconds: float) -> bool:
+        """Wait until no op runs (one a user thread drives); False if one still does."""
+        end = time.monotonic() + seconds
+        with self._cv:
+            while self._running:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._waiting += 1
+                try:
+                    self._cv.wait(min(left, 1.0))
+                finally:
+                    self._waiting -= 1
+        return True
+
+
+# Groups still alive at interpreter exit are shut down before Python finalizes: a pycoll
+# thread that Python's finalization stops inside torch's C++ code would end the process
+# with "terminate called without an active exception" (sys.exit with an op in flight).
+_LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    for comm in list(_LIVE):
+        busy = comm._running or bool(comm._queue)
+        try:
+            comm.shutdown(abort=busy, reason="the process is exiting with collectives in flight")
+        except Exception:  # noqa: BLE001 - nothing may stop the exit
+            log.exception("pycoll rank %d: shutdown at exit failed", comm.rank)

@@ -55,3 +55,10 @@ class ProtocolError(CommError):
 
 class AuthenticationError(PycollError):
     """A connection could not prove it belongs to this process group."""
+
+
+def root_cause(exc: BaseException) -> str:
+    """The text that names where a failure started: a relayed error's original words, or
+    the error itself (what a rank passes on when it aborts)."""
+    cause = getattr(exc, "root_cause", None)
+    return cause if cause else f"{type(exc).__name__}: {exc}"

@@ -8,10 +8,13 @@ separated by ``:``::
     PYCOLL_FAULT="rank=2:op=all_reduce:seq=3:kill_at_step=5"   # SIGKILL at step 5 of that op
     PYCOLL_FAULT="rank=1:drop_at_seq=4"                   # drop every connection at op seq 4
 
-It works by wrapping whatever ``Transport`` the group built (TCP, shared memory, memory)
-in a ``FaultyTransport`` that delegates ``exchange``/``abort``/``close`` and counts steps,
-plus a hook the communicator calls before each operation. Ranks without a spec get their
-transport back unwrapped, so an unset ``PYCOLL_FAULT`` costs nothing.
+One ``Injector`` per rank holds its faults and where the current operation is (op, seq,
+step). A *step* is one unit of an operation on whatever path it takes: one ``exchange`` of a
+TCP schedule (``FaultyTransport`` wraps the TCP transports, the host leaders' too) or one
+barrier of a shared-memory algorithm (the arena calls ``Injector.barrier``); a
+hierarchical operation counts both, in order. The communicator calls ``before_op`` before
+each operation. Ranks without a spec get no injector, so an unset ``PYCOLL_FAULT`` costs
+nothing. What each fault does on each path: docs/faults.md.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from .shm_collectives import words_nbytes
 from .transport.base import InFrame, OutFrame, Transport
 from .wire import decode_header, header_length
 
@@ -92,61 +96,93 @@ def parse(text: str) -> list[Fault]:
     return faults
 
 
-def wrap(transport: Transport, rank: int, env: str | None = None) -> Transport:
-    """``transport`` wrapped with this rank's faults from ``PYCOLL_FAULT``, or itself."""
+def injector(rank: int, env: str | None = None) -> "Injector | None":
+    """This rank's faults from ``PYCOLL_FAULT`` (or ``env``), or None when it has none."""
     text = os.environ.get(ENV, "") if env is None else env
     mine = [f for f in parse(text) if f.rank in (None, rank)] if text else []
-    return FaultyTransport(transport, mine) if mine else transport
+    return Injector(rank, mine) if mine else None
 
 
-def before_op_hook(transport: Transport):
-    """The communicator's hook before each operation, ``hook(op, seq)``; None for an
-    unwrapped transport (looked up once: it sits on every operation's path)."""
-    return getattr(transport, "before_op", None)
+def wrap(transport: Transport, inj: "Injector | None") -> Transport:
+    """``transport`` with ``inj``'s step faults, or itself when there are none."""
+    return FaultyTransport(transport, inj) if inj is not None else transport
 
 
-class FaultyTransport(Transport):
-    """Delegates to ``inner``; injects this rank's faults on the way."""
+class Injector:
+    """One rank's faults and the position of its current operation."""
 
-    def __init__(self, inner: Transport, faults: Sequence[Fault]) -> None:
-        self.inner, self.faults = inner, list(faults)
-        self.rank, self.world = inner.rank, inner.world
-        self.name = f"{inner.name}+faults"
+    def __init__(self, rank: int, faults: Sequence[Fault]) -> None:
+        self.rank, self.faults = rank, list(faults)
         self.op, self.seq, self.step = "", -1, 0
+        self.sever = None   # callable(reason): drop every connection (the communicator sets it)
 
-    def __getattr__(self, name):  # anything else a transport offers (conns, subset, ...)
-        return getattr(self.inner, name)
+    def _active(self):
+        return [f for f in self.faults if f.matches(self.op, self.seq)]
 
     def before_op(self, op: str, seq: int) -> None:
         self.op, self.seq, self.step = op, seq, 0
-        for f in self.faults:
-            if not f.matches(op, seq):
-                continue
+        for f in self._active():
             if f.delay:
                 time.sleep(f.delay)
-            if f.drop_at_seq == seq:
-                self.inner.sever(f"fault injection: rank {self.rank} dropped its connections "
-                                 f"at {op} seq {seq}")
+            if f.drop_at_seq == seq and self.sever is not None:
+                self.sever(f"fault injection: rank {self.rank} dropped its connections at {op} seq {seq}")
 
-    def exchange(self, outs: Sequence[OutFrame], ins: Sequence[InFrame], deadline: float,
-                 what: str) -> None:
+    def _step(self) -> list[Fault]:
+        """Count one step; kill or stall here if asked. Returns the faults that apply."""
         self.step += 1
-        outs = list(outs)
-        truncate = False
-        for f in self.faults:
-            if not f.matches(self.op, self.seq):
-                continue
+        active = self._active()
+        for f in active:
             if f.kill_at_step == self.step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if f.stall_at_step == self.step:
                 time.sleep(f.stall)
+        return active
+
+    def exchange(self, outs: list[OutFrame]) -> tuple[list[OutFrame], bool]:
+        """A TCP step: the frames to send (one damaged, perhaps), and whether to cut it short."""
+        truncate = False
+        for f in self._step():
             if f.corrupt_at_step == self.step and outs:
                 outs[0], truncate = _corrupt(outs[0], f.corrupt), f.corrupt == "truncate"
             if f.slow_link is not None:
-                nbytes = sum(len(o.header) + len(o.payload) for o in outs
-                             if f.slow_link in (-1, o.peer))
+                nbytes = sum(len(o.header) + len(o.payload) for o in outs if f.slow_link in (-1, o.peer))
                 if nbytes:
                     time.sleep(nbytes / f.bw)
+        return outs, truncate
+
+    def barrier(self, arena) -> None:
+        """A shared-memory step (called by the arena before each barrier).
+
+        Shared memory has no frames: a slow link delays the operation's first barrier by
+        (the operation's bytes) / bw, once; a corruption stops this rank with the reason
+        its peers report (docs/faults.md).
+        """
+        for f in self._step():
+            if f.slow_link is not None and self.step == 1:
+                nbytes = words_nbytes(arena.published)
+                if nbytes:
+                    time.sleep(nbytes / f.bw)
+            if f.corrupt_at_step == self.step:
+                # Nothing in shared memory is checked per step (it is one trust domain): the
+                # damaged rank is made to stop, and to say why, as a peer's garbage frame would.
+                arena.abort(f"rank {arena.ranks[arena.me]}'s control words are damaged (fault "
+                            f"injection: corrupt={f.corrupt} at step {self.step} of {self.op} seq {self.seq})")
+
+
+class FaultyTransport(Transport):
+    """Delegates to ``inner``; injects the injector's step faults on the way."""
+
+    def __init__(self, inner: Transport, inj: Injector) -> None:
+        self.inner, self.inj = inner, inj
+        self.rank, self.world = inner.rank, inner.world
+        self.name = f"{inner.name}+faults"
+
+    def __getattr__(self, name):  # anything else a transport offers (conns, subset, ...)
+        return getattr(self.inner, name)
+
+    def exchange(self, outs: Sequence[OutFrame], ins: Sequence[InFrame], deadline: float,
+                 what: str) -> None:
+        outs, truncate = self.inj.exchange(list(outs))
         if truncate:
             # Half of the first frame goes out, then the connections drop.
             self.inner.exchange(outs[:1], [], deadline, what)

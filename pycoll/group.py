@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import algorithms, callbacks, faults, hangdump, rendezvous, stragglers, torch_compat, trace
-from .errors import CommTimeoutError, PycollError
+from .errors import CommTimeoutError, PycollError, root_cause
 from .executor import DEFAULT_SEGMENT_BYTES, Executor
 from .p2p import P2PEngine
 from .transport.shm import ShmArena
@@ -78,8 +78,10 @@ class Communicator:
         self.mode = choose_mode(os.environ.get("PYCOLL_TRANSPORT", "auto"), hosts)
         coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
         self.tcp = TcpTransport(rank, world, coll_socks)
-        self.transport = faults.wrap(self.tcp, rank)  # PYCOLL_FAULT, docs/faults.md
-        self._before_op = faults.before_op_hook(self.transport)
+        # PYCOLL_FAULT (docs/faults.md): this rank's injector, None (and free) when unset.
+        self.faults = faults.injector(rank)
+        self.transport = faults.wrap(self.tcp, self.faults)
+        self._before_op = self.faults.before_op if self.faults is not None else None
         self.arena: ShmArena | None = None
         self.leaders: list[int] = []
         self.leader_executor: Executor | None = None
@@ -87,6 +89,8 @@ class Communicator:
         self.executor = Executor(self.transport, self.executor_segment)
         if self.mode != "tcp":
             self._init_shared_memory(store, hosts, timeout)
+        if self.faults is not None:
+            self.faults.sever = self._sever
         # User callbacks of futures that pycoll's own threads complete run here (callbacks.py).
         self.runner = callbacks.Runner(f"pycoll-callbacks-{rank}")
         self.p2p = P2PEngine(rank, world, p2p_socks, self.runner)
@@ -120,8 +124,9 @@ class Communicator:
         self.local_ranks = local
         self.host_of = [order.index(h) for h in hosts]
         self.leaders = [next(r for r in range(self.world) if hosts[r] == h) for h in order]
+        self.arena.fault = self.faults
         if self.mode == "hierarchical" and self.rank in self.leaders:
-            sub = self.tcp.subset(self.leaders)
+            sub = faults.wrap(self.tcp.subset(self.leaders), self.faults)
             self.leader_executor = Executor(sub, self.executor_segment)
 
     # -- submission and execution -----------------------------------------------------
@@ -223,7 +228,7 @@ class Communicator:
             self.error = exc
             self.transport.abort(str(exc))
             if self.arena is not None:
-                self.arena.abort(f"{type(exc).__name__}: {exc}")
+                self.arena.abort(root_cause(exc))
             log.error("pycoll rank %d: %s", self.rank, exc)
             return exc
         finally:
@@ -243,7 +248,7 @@ class Communicator:
             self.error = exc
         self.transport.abort(f"{type(exc).__name__}: {exc}")
         if self.arena is not None:
-            self.arena.abort(f"{type(exc).__name__}: {exc}")
+            self.arena.abort(root_cause(exc))
         with self._lock:
             queued, self._queue = list(self._queue), deque()
         for work, _task in queued:
@@ -305,6 +310,12 @@ class Communicator:
         if self.arena is not None:
             self.arena.close()
         self.runner.close()
+
+    def _sever(self, reason: str) -> None:
+        """Drop every connection without a word (fault injection: what a crash looks like)."""
+        self.transport.sever(reason)
+        if self.arena is not None:
+            self.arena.abort(reason)
 
     def _abort_transports(self, reason: str) -> None:
         self.transport.abort(reason)

@@ -75,6 +75,11 @@ def signature(op: str, seq: int, dtype: torch.dtype, numel: int, redop: str = ""
     return (_OP_WORD[op], seq, _DTYPE_WORD[dtype], numel, _REDOP_WORD[redop], root, extra)
 
 
+def words_nbytes(words: tuple[int, ...]) -> int:
+    """Bytes of the message a signature describes (its numel x its dtype's size)."""
+    return words[3] * DTYPES[words[2]].itemsize if words else 0
+
+
 def describe(words: tuple[int, ...]) -> str:
     op, seq, dt, numel, red, root, _ = words
     try:

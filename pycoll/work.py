@@ -44,6 +44,16 @@ def _unwrap(source: torch.futures.Future):
     return value
 
 
+def chained_future() -> tuple[torch.futures.Future, torch.futures.Future]:
+    """(source, public): settle ``source`` with ``settle_source``; hand ``public`` to torch."""
+    source = torch.futures.Future()
+    return source, source.then(_unwrap)
+
+
+def settle_source(source: torch.futures.Future, value=None, error: BaseException | None = None) -> None:
+    source.set_result(value if error is None else _Failure(error))
+
+
 class Work(dist.Work):
     # Defaults live on the class: a Work is made on every call's latency path, and each
     # attribute set in __init__ costs there.
@@ -92,7 +102,7 @@ class Work(dist.Work):
                 return
             self._settled = True
         # Outside the lock: the future's callbacks may use other Works' futures.
-        self._source.set_result(self._outputs if self._error is None else _Failure(self._error))
+        settle_source(self._source, self._outputs, self._error)
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         if self._done:
@@ -130,8 +140,7 @@ class Work(dist.Work):
     def get_future(self) -> torch.futures.Future:
         with _FUTURE_LOCK:
             if self._future is None:
-                self._source = torch.futures.Future()
-                self._future = self._source.then(_unwrap)
+                self._source, self._future = chained_future()
         if self._done:
             callbacks.deliver(self._settle)
         return self._future

@@ -15,6 +15,7 @@ never leak into the next test case.
 from __future__ import annotations
 
 import atexit
+import gc
 import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
@@ -61,6 +62,10 @@ def _worker_main(conn) -> None:
             finally:
                 if backend is not None and dist.is_initialized():
                     dist.destroy_process_group()
+                # Free the test's objects here, on the main thread: a garbage collection that
+                # a backend's own thread runs later could free a gloo group there, whose
+                # destructor then joins the thread it runs on (std::terminate, EDEADLK).
+                gc.collect()
             conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
             conn.send(("err", traceback.format_exc()))

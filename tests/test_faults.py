@@ -88,9 +88,11 @@ def test_fault_spec_syntax():
     for bad in ("rank=x", "nope=1", "slow_link=1", "delay", "corrupt_at_step=1:corrupt=zz", "delay=-1"):
         with pytest.raises(ValueError, match="PYCOLL_FAULT"):
             faults.parse(bad)
+    assert faults.injector(0, env="") is None                 # nothing to inject: no injector,
+    assert faults.injector(0, env="rank=1:delay=1") is None   # so no cost on the op path
     sentinel = object()
-    assert faults.wrap(sentinel, 0, env="") is sentinel
-    assert faults.wrap(sentinel, 0, env="rank=1:delay=1") is sentinel
+    assert faults.wrap(sentinel, None) is sentinel
+    assert faults.injector(1, env="rank=1:delay=1").faults[0].delay == 1
 
 
 # -- dead peers ---------------------------------------------------------------------------------------
@@ -278,3 +280,70 @@ def test_delay_and_slow_link_slow_down_but_stay_correct():
     res = run_ranks(_timed, 2, 5, 1 << 16, backend="pycoll", timeout=60,
                     env={**TCP, "PYCOLL_FAULT": "rank=0:slow_link=1:bw=2e6"})
     assert min(res) >= 0.6, res
+
+
+# -- every fault on every path ------------------------------------------------------------------------
+# shm: one host; hierarchical: two pretend hosts of two ranks (PYCOLL_HOST_ID); tcp: sockets only.
+PATHS = {
+    "shm": {"PYCOLL_TRANSPORT": "shm"},
+    "hierarchical": {"PYCOLL_TRANSPORT": "hierarchical", "PYCOLL_HOST_ID": "a,a,b,b"},
+    "tcp": TCP,
+}
+WORLD = {"shm": 2, "hierarchical": 4, "tcp": 2}
+
+
+def _mode_and_time(rank, world, n, numel):
+    t = torch.empty(numel)
+    t0 = time.time()
+    for _ in range(n):
+        t.fill_(rank + 1)
+        dist.all_reduce(t)
+        assert t.eq(world * (world + 1) / 2).all()
+    return dist.distributed_c10d._get_default_group()._comm.mode, time.time() - t0
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_delay_and_slow_link_fire_on_every_path(path):
+    world, env = WORLD[path], PATHS[path]
+    res = run_ranks(_mode_and_time, world, 4, 1 << 16, backend="pycoll", timeout=60,
+                    env={**env, "PYCOLL_FAULT": "rank=1:delay=0.15"})
+    assert {m for m, _ in res} == {path} and min(s for _, s in res) >= 0.55, res
+    # 256 KiB per all_reduce at 2 MB/s: at least 4 x 0.13 s on every rank (all wait for rank 0)
+    res = run_ranks(_mode_and_time, world, 4, 1 << 16, backend="pycoll", timeout=60,
+                    env={**env, "PYCOLL_FAULT": "rank=0:slow_link=*:bw=2e6"})
+    assert min(s for _, s in res) >= 0.5, res
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_kill_at_step_fires_on_every_path(path):
+    world = WORLD[path]
+    victim = world - 1
+    env = {**PATHS[path], "PYCOLL_FAULT": f"rank={victim}:op=all_reduce:seq=3:kill_at_step=1"}
+    out = launch(_until_error, world, 1 << 16, 20.0, env=env, timeout=60)
+    assert out[victim]["status"] == "dead" and out[victim]["exitcode"] == -9, explain(out)
+    for r, o in enumerate(out[:victim]):
+        info = o["value"]
+        assert o["status"] == "ok" and info["err"] is not None and info["n"] == 3, explain(out)
+        assert "died" in info["msg"] or "closed" in info["msg"] or "aborted" in info["msg"], info
+        assert info["t_err"] - out[victim]["died_at"] < 3.0, info
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("fault,words", [
+    ("stall_at_step=1:stall=4", ("timed out",)),
+    ("drop_at_seq=2", ("rank 1",)),
+    ("corrupt_at_step=1:corrupt=garbage", ("rank 1",)),
+], ids=["stall", "drop", "corrupt"])
+def test_step_faults_fire_on_every_path(path, fault, words):
+    world = WORLD[path]
+    env = {**PATHS[path], "PYCOLL_FAULT": f"rank=1:seq=2:{fault}"}
+    out = launch(_until_error, world, 1 << 12, 20.0, env=env, timeout=60, group_timeout=2.0)
+    for r, o in enumerate(out):
+        assert o["status"] == "ok", explain(out)
+        info = o["value"]
+        # The faulty rank may still finish seq 2 on shared memory: its peers' data was
+        # complete before they gave up on it (a timed-out op's outputs are undefined).
+        assert info["err"] is not None and info["n"] in ((2, 3) if r == 1 else (2,)), (r, info)
+        for w in words:
+            assert w in info["msg"], (r, w, info["msg"])
+        assert info["destroy_s"] < 3.0 and info["threads"] == [], info

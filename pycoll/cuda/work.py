@@ -23,35 +23,45 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .. import callbacks
 from ..errors import CommTimeoutError
+from ..work import chained_future, settle_source
 
 _POLL = 0.0005
 
 
 class _Completer:
-    """One daemon thread that settles futures when their CUDA events complete, in issue order."""
+    """One pycoll thread that waits for CUDA events in issue order; the futures' callbacks
+    (user code) run on its callback runner, never on it (pycoll/callbacks.py)."""
 
     def __init__(self) -> None:
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._runner = callbacks.Runner("pycoll-cuda-callbacks")
 
-    def add(self, event, fut: torch.futures.Future, value) -> None:
+    def add(self, event, source: torch.futures.Future, value) -> None:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._loop, name="pycoll-cuda-futures", daemon=True)
-                self._thread.start()
-        self._q.put((event, fut, value))
+                self._thread = callbacks.start_thread(self._loop, self._failed, "pycoll-cuda-futures",
+                                                      self._runner)
+        self._q.put((event, source, value))
 
     def _loop(self) -> None:
         while True:
-            event, fut, value = self._q.get()
+            event, source, value = self._q.get()
             try:
                 event.synchronize()
             except BaseException as exc:  # noqa: BLE001 - delivered to the future
-                fut.set_exception(exc)
+                callbacks.deliver(settle_source, source, None, exc)
             else:
-                fut.set_result(value)
+                callbacks.deliver(settle_source, source, value)
+
+    def _failed(self, exc: BaseException) -> None:
+        """The thread died: fail what it still held; the next add starts a new one."""
+        while not self._q.empty():
+            _, source, _ = self._q.get()
+            self._runner.submit(settle_source, source, None, exc)
 
 
 COMPLETER = _Completer()
@@ -96,8 +106,8 @@ class CudaWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            self._future = torch.futures.Future()
-            COMPLETER.add(self._event, self._future, self._outputs)
+            source, self._future = chained_future()
+            COMPLETER.add(self._event, source, self._outputs)
         return self._future
 
     def result(self) -> list[torch.Tensor]:
@@ -152,16 +162,16 @@ class StagingWork(dist.Work):
 
     def get_future(self) -> torch.futures.Future:
         if self._future is None:
-            fut = self._future = torch.futures.Future()
+            source, self._future = chained_future()
 
             def settle(f):
                 try:
                     f.value()           # re-raises the CPU op's error
                     self._finish()
                 except BaseException as exc:  # noqa: BLE001 - delivered to the future
-                    fut.set_exception(exc)
+                    settle_source(source, None, exc)
                 else:
-                    fut.set_result(self._outputs)
+                    settle_source(source, self._outputs)
             self._cpu.get_future().add_done_callback(settle)
         return self._future
 

@@ -1,6 +1,6 @@
 """Shared-memory arena for the ranks of one host: an anonymous shared segment plus futex-based sync.
 
-Layout: one 256-byte control line per local rank (its sync epoch, abort flag, pid and the
+Layout: one 512-byte control line per local rank (its sync epoch, abort flag, pid and the
 signatures of its current and previous collective), then two staging slots per rank (double-buffered:
 a round writes one parity while peers may still read the other).
 
@@ -39,10 +39,10 @@ import torch
 from .. import slow_wait
 from ..errors import CommTimeoutError, MismatchError, PeerClosedError
 
-LINE = 256                  # bytes of control per rank
+LINE = 512                  # bytes of control per rank
 SLEEP = 3                   # int32 word of a rank's line: set while it may block in FUTEX_WAIT
 SIG_WORDS = 8               # int64 signature words per slot; two slots at bytes 64 and 128
-REASON_AT = 192             # a rank's abort reason (text) fills the rest of its line
+REASON_AT = 192             # a rank's abort reason (text, 319 bytes) fills the rest of its line
 DEFAULT_SLOT_BYTES = 4 << 20
 WAIT_SLICE = 0.05
 
@@ -130,6 +130,8 @@ class ShmArena:
     """Shared staging memory and barriers for ``size`` ranks of one host (local ranks)."""
 
     tracer = None   # PYCOLL_TRACE / PYCOLL_DEBUG hook (pycoll/trace.py); None: off
+    fault = None    # PYCOLL_FAULT injector (pycoll/faults.py), told of every barrier; None: off
+    published: tuple[int, ...] = ()   # this rank's signature words of its current collective
     pending = None  # the running collective's barriers, for describe_pending (pycoll/hangdump.py)
 
     def __init__(self, store, key: str, local_rank: int, size: int, ranks: list[int],
@@ -202,6 +204,7 @@ class ShmArena:
         """
         if new_op:
             self.ops += 1
+        self.published = words
         _pack_words(len(words))(self.mm, self._sig_offsets[self.ops & 1][self.me], *words)
 
     def _sig_at(self, rank: int) -> int:
@@ -251,13 +254,16 @@ class ShmArena:
     # -- sync ----------------------------------------------------------------------------
     def sync(self, deadline: float, what: str) -> None:
         """Barrier of all local ranks (every rank calls sync the same number of times)."""
+        if self.fault is not None:
+            self.fault.barrier(self)
         self.epoch += 1
         self._unsynced_round = False
         target = self.epoch
         me_word = self._me_word
         ctrl = self._words
         if ctrl[me_word + 1]:
-            raise PeerClosedError(f"{what}: shared-memory group was aborted", rank=self.ranks[self.me])
+            raise PeerClosedError(f"{what}: rank {self.ranks[self.me]}'s shared-memory group was aborted: "
+                                  f"{self._reason(self.me)}", rank=self.ranks[self.me])
         ctrl[me_word] = target
         # A futex wake is a system call (0.8 us); make it only when a peer may be asleep.
         for w in self._peer_sleep_words:
@@ -310,9 +316,10 @@ class ShmArena:
         """Make peers' barriers fail fast; ``reason`` (truncated) is what they will report."""
         if self.closed:
             return
-        data = reason.encode("utf-8", "replace")[:LINE - REASON_AT - 1] + b"\0"
-        start = self.me * LINE + REASON_AT
-        self.mm[start:start + len(data)] = data
+        if not self._ctrl[self._me_word + 1]:   # the first reason is the one peers report
+            data = reason.encode("utf-8", "replace")[:LINE - REASON_AT - 1] + b"\0"
+            start = self.me * LINE + REASON_AT
+            self.mm[start:start + len(data)] = data
         # A separate abort word, so that a peer still reading this rank's epoch for a
         # barrier it legitimately passed is not misled; the wake makes waiters re-check.
         self._ctrl[self._me_word + 1] = 1

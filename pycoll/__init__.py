@@ -12,14 +12,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .errors import (AuthenticationError, CommError, CommTimeoutError, MismatchError,
-                     PeerClosedError, ProtocolError, PycollError)
-from . import torch_compat
-from .cuda.paths import backend_devices
-from .stragglers import stats
-from .torch_backend import ProcessGroupPycoll, create
-from .work import Work
-from .partial import PartialAllReduce  # eager-SGD partial all-reduce; also pycoll.partial.*
+from pycoll.c10d import torch_compat
+from pycoll.c10d.backend import ProcessGroupPycoll, create
+from pycoll.c10d.work import Work
+from pycoll.cuda.paths import backend_devices
+from pycoll.errors import (
+    AuthenticationError,
+    CommError,
+    CommTimeoutError,
+    MismatchError,
+    PeerClosedError,
+    ProtocolError,
+    PycollError,
+)
+from pycoll.observe.stragglers import stats
+from pycoll.partial import (
+    PartialAllReduce,  # eager-SGD partial all-reduce; also pycoll.partial.*
+)
 
 __version__ = "0.1.0"
 BACKEND_NAME = "pycoll"
@@ -46,7 +55,7 @@ def set_algorithm(collective: str, name: str, group=None) -> None:
 
     Call it on every rank of the group with the same arguments, between collectives.
     """
-    from . import algorithms
+    from pycoll import algorithms
 
     algorithms.get(collective, name)  # ValueError listing the valid names
     pg = group if group is not None else torch_compat.default_group()

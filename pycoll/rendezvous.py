@@ -100,7 +100,7 @@ def local_address() -> str:
         return addr
     ifname = os.environ.get("PYCOLL_SOCKET_IFNAME")
     if ifname:
-        from .transport.tcp_mesh import interface_address
+        from pycoll.transport.tcp.mesh import interface_address
 
         return interface_address(ifname)
     master = os.environ.get("MASTER_ADDR")

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-from .errors import ProtocolError
+from pycoll.errors import ProtocolError
 
 MAGIC = 0x7C01  # protocol version 1
 PREFIX = struct.Struct("<I")

@@ -23,10 +23,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pycoll.algorithms import ALGORITHMS, get
-from pycoll.algorithms.schedule import COMM, Recv, RecvReduce, Send, displacements, validate
+from pycoll.algorithms.schedule import (
+    COMM,
+    Recv,
+    RecvReduce,
+    Send,
+    displacements,
+    validate,
+)
+from pycoll.core.executor import Executor
+from pycoll.core.reductions import COMPLEX, FLOATING, INTEGER, make_reduction
 from pycoll.errors import PeerClosedError
-from pycoll.executor import Executor
-from pycoll.reduce_ops import COMPLEX, FLOATING, INTEGER, make_reduction
 from pycoll.transport.memory import MemoryHub
 from pycoll.wire import Signature
 

@@ -10,7 +10,6 @@ non-contiguous tensors (which pycoll handles; gloo rejects them).
 from __future__ import annotations
 
 import re
-
 from datetime import timedelta
 
 import pytest
@@ -19,7 +18,16 @@ import torch.distributed as dist
 
 from pycoll.errors import CommError
 from tests.harness import run_ranks
-from tests.test_vs_gloo import (BOOL, DTYPES, TRANSPORTS, Checker, _assert_clean, gen, reference, seed_of)
+from tests.test_vs_gloo import (
+    BOOL,
+    DTYPES,
+    TRANSPORTS,
+    Checker,
+    _assert_clean,
+    gen,
+    reference,
+    seed_of,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

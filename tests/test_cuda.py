@@ -17,14 +17,21 @@ import torch
 import torch.distributed as dist
 
 import pycoll
+from pycoll.c10d.plans import cuda_tensor_message
+from pycoll.core.reductions import make_reduction
 from pycoll.cuda import dtypes as D
 from pycoll.cuda.dispatch import has_cuda
 from pycoll.cuda.ipc import IpcPath
-from pycoll.cuda.paths import (CudaPathError, RankFacts, backend_devices, choose_path, cuda_hint, explain,
-                               requested_path)
-from pycoll.reduce_ops import make_reduction
-from pycoll.transport.shm import ShmArena
-from pycoll.validation import cuda_tensor_message
+from pycoll.cuda.paths import (
+    CudaPathError,
+    RankFacts,
+    backend_devices,
+    choose_path,
+    cuda_hint,
+    explain,
+    requested_path,
+)
+from pycoll.transport.shm.arena import ShmArena
 from tests.harness import rank_store, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
@@ -198,7 +205,7 @@ def test_dispatch_scan_leaves_cpu_calls_alone():
     assert not has_cuda(([[t, t]], [t]))
     assert not has_cuda((t, t, [1, 1], [1, 1]))
     assert not has_cuda(([], 3))
-    from pycoll.torch_backend import ProcessGroupPycoll
+    from pycoll.c10d.backend import ProcessGroupPycoll
     assert ProcessGroupPycoll._allgather_base is ProcessGroupPycoll.all_gather_single
     wrapped = getattr(ProcessGroupPycoll.allreduce, "__pycoll_cpu__", None)
     if torch.version.cuda is None:   # a CPU build cannot hold CUDA tensors: no wrapper

@@ -17,8 +17,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 
 import ddp
 from tests.harness import run_ranks
-from tests.test_ddp_support import (batches, build, flag_for, local_train, loss_fn,
-                                    max_rel_err, optimizer)
+from tests.test_ddp_support import (
+    batches,
+    build,
+    flag_for,
+    local_train,
+    loss_fn,
+    max_rel_err,
+    optimizer,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pycoll import faults
+from pycoll.observe import faults
 from tests.harness import run_ranks
 from tests.test_faults_kit import BASE, explain, fd_count, launch, pycoll_threads
 

@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from pycoll.errors import MismatchError, PeerClosedError, ProtocolError
-from pycoll.p2p import P2PEngine
 from pycoll.transport.base import InFrame
-from pycoll.transport.tcp import TcpTransport
-from pycoll.transport.tcp_mesh import MAGIC, build_mesh
+from pycoll.transport.p2p import P2PEngine
+from pycoll.transport.tcp.mesh import MAGIC, build_mesh
+from pycoll.transport.tcp.transport import TcpTransport
 from pycoll.wire import ABORT, DATA, MAX_CONTROL_BYTES, Header, Signature
 
 pytestmark = pytest.mark.timeout(60)

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from pycoll.errors import AuthenticationError
-from pycoll.transport.handshake import Handshake
-from pycoll.transport.tcp_mesh import HANDSHAKE_TIMEOUT, build_mesh
+from pycoll.transport.tcp.handshake import Handshake
+from pycoll.transport.tcp.mesh import HANDSHAKE_TIMEOUT, build_mesh
 from tests.harness import rank_store, run_ranks
 
 pytestmark = pytest.mark.timeout(90)
@@ -147,3 +147,33 @@ def test_ranks_sharing_a_key_work_and_different_keys_are_named():
     res = run_ranks(_keyed, 2, ["k1", "k2"], timeout=60)
     assert "PYCOLL_AUTH_KEY" in res[1], res
     assert "failed authentication" in res[0] and "PYCOLL_AUTH_KEY" in res[0], res
+
+
+def test_the_handshake_never_reads_past_its_last_message():
+    """What follows the handshake on a socket is the peer's first data frame."""
+    from pycoll.transport.tcp.handshake import encode
+
+    secret = b"s" * 32
+    client = Handshake(secret, 1, 2, 2, peer=0, channel=0)
+    server = Handshake(secret, 0, 2, 2)
+    wire_c, wire_s = bytearray(client.outgoing), bytearray()
+    client.outgoing.clear()
+    while not (client.done and server.done):
+        while wire_c and server.wanted():
+            n = server.wanted()
+            server.receive(bytes(wire_c[:n]))
+            del wire_c[:n]
+        wire_s += server.outgoing
+        server.outgoing.clear()
+        if server.done:
+            wire_s += b"DATA FRAME AFTER THE HANDSHAKE"
+        while wire_s and client.wanted():
+            n = client.wanted()
+            client.receive(bytes(wire_s[:n]))
+            del wire_s[:n]
+        wire_c += client.outgoing
+        client.outgoing.clear()
+    assert bytes(wire_s) == b"DATA FRAME AFTER THE HANDSHAKE"
+    assert client.wanted() == 0 and server.wanted() == 0
+    assert (server.peer, server.channel) == (1, 0)
+    assert encode(["x"])[:4] == (len(encode(["x"])) - 4).to_bytes(4, "little")

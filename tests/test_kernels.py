@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pycoll import kernels
-from pycoll.reduce_ops import make_reduction
-from pycoll.transport.shm import spin_budget
+from pycoll.core import kernels
+from pycoll.core.reductions import make_reduction
+from pycoll.transport.shm.arena import spin_budget
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pycoll.partial_rounds import NF, Contribution, Ledger, majority_initiator
+from pycoll.partial.rounds import NF, Contribution, Ledger, majority_initiator
 from tests.harness import RankFailure, run_ranks
 
 pytestmark = pytest.mark.timeout(60)

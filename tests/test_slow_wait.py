@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pycoll import slow_wait
+from pycoll.transport import waits as slow_wait
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(60)

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pycoll.stragglers import attribute, format_report
+from pycoll.observe.stragglers import attribute, format_report
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(60)

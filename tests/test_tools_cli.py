@@ -14,7 +14,7 @@ import pytest
 
 from pycoll.algorithms import ALGORITHMS
 from pycoll.algorithms.schedule import COMM, RecvReduce, Send
-from pycoll.draw import build, resolve, timeline
+from pycoll.cli.draw import build, resolve, timeline
 
 REPO = Path(__file__).resolve().parents[1]
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None

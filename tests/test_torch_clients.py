@@ -115,8 +115,11 @@ def test_dcp_async_save_then_load(tmp_path):
 
 
 def _fsdp_full_state_dict(rank, world):
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(rank)          # ranks start different: only rank 0's values are right

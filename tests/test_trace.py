@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pycoll import trace_view
+from pycoll.cli import trace_view
 from tests.harness import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,9 +53,9 @@ def _ddp_step(rank, world):
         opt.zero_grad()
         model(torch.randn(8, 32)).sum().backward()
         opt.step()
-    import pycoll.trace
+    import pycoll.observe.trace
 
-    return pycoll.trace.flush()  # on demand; destroy flushes the rest
+    return pycoll.observe.trace.flush()  # on demand; destroy flushes the rest
 
 
 @pytest.mark.parametrize("mode", ["tcp", "shm"])

@@ -7,8 +7,8 @@ import torch
 import torch.distributed as dist
 
 import pycoll
-from pycoll.group import choose_mode
-from pycoll.tuning import RULES, Tuner, parse_overrides
+from pycoll.core.communicator import choose_mode
+from pycoll.core.tuner import RULES, Tuner, parse_overrides
 from tests.harness import run_ranks
 
 

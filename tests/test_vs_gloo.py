@@ -551,7 +551,7 @@ def _forced(i: int, world: int) -> str:
 
 
 def _algo_run(rank: int, world: int, expect: str) -> dict:
-    from pycoll.tuning import parse_overrides
+    from pycoll.core.tuner import parse_overrides
 
     pg = dist.distributed_c10d._get_default_group()
     comm = getattr(pg, "_comm", None)

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: make `pycoll` importable
     sys.path.insert(0, str(REPO))
 
-from pycoll.partial_rounds import majority_initiator  # noqa: E402
+from pycoll.partial.rounds import majority_initiator  # noqa: E402
 
 
 def stragglers(world: int, seed: int, steps: int, lo_ms: float, hi_ms: float,

@@ -13,12 +13,25 @@ from __future__ import annotations
 
 from typing import Callable
 
-from . import (binomial_broadcast, binomial_reduce, bruck_allgather, dissemination_barrier,
-               halving_doubling_allreduce, linear_gather, linear_scatter, pairwise_alltoall,
-               pairwise_reduce_scatter, recursive_doubling_allgather, recursive_doubling_allreduce,
-               ring_allgather, ring_allreduce, ring_reduce_scatter, scatter_allgather_broadcast,
-               tree_allreduce)
-from .schedule import Schedule
+from pycoll.algorithms import (
+    binomial_broadcast,
+    binomial_reduce,
+    bruck_allgather,
+    dissemination_barrier,
+    halving_doubling_allreduce,
+    linear_gather,
+    linear_scatter,
+    pairwise_alltoall,
+    pairwise_reduce_scatter,
+    recursive_doubling_allgather,
+    recursive_doubling_allreduce,
+    ring_allgather,
+    ring_allreduce,
+    ring_reduce_scatter,
+    scatter_allgather_broadcast,
+    tree_allreduce,
+)
+from pycoll.algorithms.schedule import Schedule
 
 ScheduleFn = Callable[..., Schedule]
 

@@ -12,7 +12,13 @@ small and medium messages; for large ones scatter_allgather's ~2n*beta wins.
 
 from __future__ import annotations
 
-from .schedule import Recv, Schedule, Send, binomial_children, binomial_parent
+from pycoll.algorithms.schedule import (
+    Recv,
+    Schedule,
+    Send,
+    binomial_children,
+    binomial_parent,
+)
 
 
 def schedule(rank: int, world: int, count: int, root: int) -> Schedule:

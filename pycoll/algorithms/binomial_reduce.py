@@ -13,7 +13,14 @@ medium messages; for large ones reduce-scatter + gather moves less per link.
 
 from __future__ import annotations
 
-from .schedule import Copy, RecvReduce, Schedule, Send, binomial_children, binomial_parent
+from pycoll.algorithms.schedule import (
+    Copy,
+    RecvReduce,
+    Schedule,
+    Send,
+    binomial_children,
+    binomial_parent,
+)
 
 
 def schedule(rank: int, world: int, count: int, root: int) -> Schedule:

@@ -14,7 +14,7 @@ tuner picks it for small messages, ring for large ones.
 
 from __future__ import annotations
 
-from .schedule import Copy, Recv, Schedule, Send
+from pycoll.algorithms.schedule import Copy, Recv, Schedule, Send
 
 
 def schedule(rank: int, world: int, count: int) -> Schedule:

@@ -10,7 +10,7 @@ Steps: ceil(log2 P). Bytes sent per rank: 0 (headers only). Cost: ceil(log2 P)*a
 
 from __future__ import annotations
 
-from .schedule import Recv, Schedule, Send
+from pycoll.algorithms.schedule import Recv, Schedule, Send
 
 
 def schedule(rank: int, world: int) -> Schedule:

@@ -22,8 +22,17 @@ medium-to-large messages, where it beats ring on latency (log p rounds instead o
 
 from __future__ import annotations
 
-from .schedule import (Recv, RecvReduce, Schedule, Send, chunks, fold_in, fold_out, pow2_floor,
-                       unfold_rank)
+from pycoll.algorithms.schedule import (
+    Recv,
+    RecvReduce,
+    Schedule,
+    Send,
+    chunks,
+    fold_in,
+    fold_out,
+    pow2_floor,
+    unfold_rank,
+)
 
 
 def schedule(rank: int, world: int, count: int) -> Schedule:

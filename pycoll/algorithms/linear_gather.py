@@ -10,7 +10,7 @@ alpha + n*(P-1)*beta at the root's link. The tuner uses it everywhere on small w
 
 from __future__ import annotations
 
-from .schedule import Copy, Recv, Schedule, Send
+from pycoll.algorithms.schedule import Copy, Recv, Schedule, Send
 
 
 def schedule(rank: int, world: int, count: int, root: int) -> Schedule:

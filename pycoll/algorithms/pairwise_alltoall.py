@@ -11,7 +11,7 @@ Steps: P-1 (+1 local copy). Bytes sent per rank: sum(send_counts) - send_counts[
 
 from __future__ import annotations
 
-from .schedule import Copy, Recv, Schedule, Send, displacements
+from pycoll.algorithms.schedule import Copy, Recv, Schedule, Send, displacements
 
 
 def schedule(rank: int, world: int, send_counts: list[int], recv_counts: list[int]) -> Schedule:

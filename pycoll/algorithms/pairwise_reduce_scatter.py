@@ -11,7 +11,7 @@ steps and no temp: the tuner picks it for small messages or small worlds (P <= 3
 
 from __future__ import annotations
 
-from .schedule import Copy, RecvReduce, Schedule, Send, displacements
+from pycoll.algorithms.schedule import Copy, RecvReduce, Schedule, Send, displacements
 
 
 def schedule(rank: int, world: int, counts: list[int]) -> Schedule:

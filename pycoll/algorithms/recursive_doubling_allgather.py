@@ -12,8 +12,8 @@ log2(P)*alpha + n*(P-1)*beta. Same cost as Bruck without its temp and rotation.
 
 from __future__ import annotations
 
-from . import bruck_allgather
-from .schedule import Copy, Recv, Schedule, Send
+from pycoll.algorithms import bruck_allgather
+from pycoll.algorithms.schedule import Copy, Recv, Schedule, Send
 
 
 def schedule(rank: int, world: int, count: int) -> Schedule:

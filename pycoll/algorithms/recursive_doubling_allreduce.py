@@ -24,7 +24,17 @@ Latency-optimal; the tuner picks it for small messages (up to a few KiB).
 
 from __future__ import annotations
 
-from .schedule import Copy, Recv, Reduce, Schedule, Send, fold_in, fold_out, pow2_floor, unfold_rank
+from pycoll.algorithms.schedule import (
+    Copy,
+    Recv,
+    Reduce,
+    Schedule,
+    Send,
+    fold_in,
+    fold_out,
+    pow2_floor,
+    unfold_rank,
+)
 
 
 def schedule(rank: int, world: int, count: int) -> Schedule:

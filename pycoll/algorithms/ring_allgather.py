@@ -10,7 +10,7 @@ optimal). Cost: (P-1)*(alpha + n*beta). The tuner picks it for large messages.
 
 from __future__ import annotations
 
-from .schedule import Copy, Recv, Schedule, Send
+from pycoll.algorithms.schedule import Copy, Recv, Schedule, Send
 
 
 def schedule(rank: int, world: int, count: int) -> Schedule:

@@ -12,7 +12,7 @@ one segment, not one chunk.
 
 from __future__ import annotations
 
-from .schedule import RecvReduce, Recv, Schedule, Send, chunks
+from pycoll.algorithms.schedule import Recv, RecvReduce, Schedule, Send, chunks
 
 
 def schedule(rank: int, world: int, count: int) -> Schedule:

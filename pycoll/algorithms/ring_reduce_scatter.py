@@ -15,7 +15,7 @@ tuner picks it for large messages.
 
 from __future__ import annotations
 
-from .schedule import Copy, RecvReduce, Schedule, Send, displacements
+from pycoll.algorithms.schedule import Copy, RecvReduce, Schedule, Send, displacements
 
 
 def schedule(rank: int, world: int, counts: list[int]) -> Schedule:

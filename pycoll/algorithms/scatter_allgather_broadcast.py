@@ -15,7 +15,15 @@ messages (hundreds of KiB and up) and P >= 3; binomial below that.
 
 from __future__ import annotations
 
-from .schedule import Recv, Schedule, Send, binomial_children, binomial_parent, chunks, subtree
+from pycoll.algorithms.schedule import (
+    Recv,
+    Schedule,
+    Send,
+    binomial_children,
+    binomial_parent,
+    chunks,
+    subtree,
+)
 
 
 def schedule(rank: int, world: int, count: int, root: int) -> Schedule:

@@ -14,7 +14,14 @@ where recursive doubling's temp is unwelcome.
 
 from __future__ import annotations
 
-from .schedule import Recv, RecvReduce, Schedule, Send, binomial_children, binomial_parent
+from pycoll.algorithms.schedule import (
+    Recv,
+    RecvReduce,
+    Schedule,
+    Send,
+    binomial_children,
+    binomial_parent,
+)
 
 
 def schedule(rank: int, world: int, count: int) -> Schedule:

@@ -9,6 +9,6 @@ ProcessGroupPycoll), ``bench`` (the GPU benchmark). Importing this package impor
 nor anything that touches the CUDA driver.
 """
 
-from .paths import CudaPathError, backend_devices, choose_path, cuda_hint
+from pycoll.cuda.paths import CudaPathError, backend_devices, choose_path, cuda_hint
 
 __all__ = ["CudaPathError", "backend_devices", "choose_path", "cuda_hint"]

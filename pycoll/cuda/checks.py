@@ -12,9 +12,9 @@ import os
 
 import torch
 
-from .. import rendezvous
-from ..validation import check_dense
-from . import paths
+from pycoll import rendezvous
+from pycoll.c10d.plans import check_dense
+from pycoll.cuda import paths
 
 
 def iter_tensors(args):

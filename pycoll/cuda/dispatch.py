@@ -45,7 +45,7 @@ def has_cuda(args) -> bool:
 def channel(pg):
     ch = pg.__dict__.get(ATTR)
     if ch is None:
-        from .frontend import CudaChannel
+        from pycoll.cuda.frontend import CudaChannel
 
         ch = pg.__dict__[ATTR] = CudaChannel(pg)
     return ch

@@ -27,13 +27,20 @@ import threading
 import torch
 import torch.distributed as dist
 
-from .. import rendezvous
-from ..errors import PycollError
-from ..reduce_ops import make_reduction
-from ..validation import check_root, flat, flat_in, same_dtype
-from . import paths, staging
-from .checks import _parts, check_all, check_cuda, common_device, flat_out, local_facts
-from .work import CudaWork
+from pycoll import rendezvous
+from pycoll.c10d.plans import check_root, flat, flat_in, same_dtype
+from pycoll.core.reductions import make_reduction
+from pycoll.cuda import paths, staging
+from pycoll.cuda.checks import (
+    _parts,
+    check_all,
+    check_cuda,
+    common_device,
+    flat_out,
+    local_facts,
+)
+from pycoll.cuda.work import CudaWork
+from pycoll.errors import PycollError
 
 log = logging.getLogger("pycoll")
 
@@ -64,10 +71,10 @@ class CudaChannel:
         facts = [paths.RankFacts.from_json(json.loads(v)) for v in got]
         path = paths.choose_path(facts)  # same list everywhere: same path or same error everywhere
         if path == "nccl":
-            from .nccl import NcclPath
+            from pycoll.cuda.nccl import NcclPath
             impl = NcclPath(self.pg._store, self.rank, self.world, device)
         elif path == "ipc":
-            from .ipc import IpcPath
+            from pycoll.cuda.ipc import IpcPath
             impl = IpcPath(self.pg._store, self.rank, self.world, device, self.timeout, facts)
         else:
             impl = None
@@ -324,7 +331,7 @@ class CudaChannel:
 
     def all_to_all_single(self, device, stream, output, input, output_split_sizes, input_split_sizes,
                           opts=None):
-        from ..torch_backend import _split_counts
+        from pycoll.c10d.backend import _split_counts
 
         out, inp = check_cuda(output, "all_to_all output"), check_cuda(input, "all_to_all input")
         same_dtype([out, inp], "all_to_all_single")

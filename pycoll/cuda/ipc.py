@@ -38,9 +38,9 @@ import msgpack
 import numpy as np
 import torch
 
-from ..algorithms.schedule import chunks, displacements
-from ..shm_collectives import counts_hash, describe, signature
-from ..transport.shm import ShmArena
+from pycoll.algorithms.schedule import chunks, displacements
+from pycoll.core.shm_algorithms import counts_hash, describe, signature
+from pycoll.transport.shm.arena import ShmArena
 
 ONE_SHOT_BYTES = 256 << 10
 DEFAULT_SLOT_BYTES = 32 << 20

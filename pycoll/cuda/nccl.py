@@ -23,8 +23,8 @@ import json
 
 import torch
 
-from ..algorithms.schedule import displacements
-from . import dtypes as D
+from pycoll.algorithms.schedule import displacements
+from pycoll.cuda import dtypes as D
 
 
 class NcclPath:

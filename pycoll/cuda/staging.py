@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .work import StagingWork
+from pycoll.cuda.work import StagingWork
 
 # Which positional argument each c10d method reads (copied to the host) and writes (copied back).
 READS_ARG0 = {"allreduce", "allreduce_coalesced", "reduce", "broadcast", "send"}

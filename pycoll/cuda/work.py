@@ -23,9 +23,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import callbacks
-from ..errors import CommTimeoutError
-from ..work import chained_future, settle_source
+from pycoll.c10d.work import chained_future, settle_source
+from pycoll.core import callbacks
+from pycoll.errors import CommTimeoutError
 
 _POLL = 0.0005
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .. import errors
-from ..errors import CommError, MismatchError, PeerClosedError, ProtocolError
-from ..wire import ABORT, BYE, DATA, Header
+from pycoll import errors
+from pycoll.errors import CommError, MismatchError, PeerClosedError, ProtocolError
+from pycoll.wire import ABORT, BYE, DATA, Header
 
 
 @dataclass(slots=True)

@@ -13,9 +13,9 @@ import time
 from collections import deque
 from typing import Sequence
 
-from ..errors import CommTimeoutError, PeerClosedError
-from ..wire import decode_header, header_length
-from .base import InFrame, OutFrame, Transport, check_header
+from pycoll.errors import CommTimeoutError, PeerClosedError
+from pycoll.transport.base import InFrame, OutFrame, Transport, check_header
+from pycoll.wire import decode_header, header_length
 
 
 class MemoryHub:

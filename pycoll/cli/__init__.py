@@ -1,0 +1,1 @@
+"""The command line: demo, doctor, draw, trace viewer, bench."""

@@ -1,0 +1,1 @@
+"""The engine: communicator, set-up, executor, collectives, reductions, tuner, callbacks."""

@@ -1,0 +1,357 @@
+"""A communicator: one group's ranks, transports, tuner, executor and ordered op queue.
+
+Operations run one at a time, in the order they were issued, which is also the order of
+their sequence numbers (every rank issues the same collectives in the same order, so a
+sequence number names one collective on every rank). Asynchronous ops are run by the
+group's worker thread; a synchronous op (or a ``wait``) runs the queue up to itself in
+the calling thread, so the common blocking call pays no thread handoff.
+
+The first communication error (timeout, dead peer, mismatch) breaks the group, as in
+Gloo: the transport is aborted so that peers fail fast too, every queued and later op
+fails with an error that points at the original one.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from pycoll import algorithms, rendezvous
+from pycoll.c10d import torch_compat
+from pycoll.c10d.work import Work, finished
+from pycoll.core import callbacks
+from pycoll.core.executor import DEFAULT_SEGMENT_BYTES, Executor
+from pycoll.core.tuner import Tuner
+from pycoll.errors import CommTimeoutError, PycollError, root_cause
+from pycoll.observe import faults, hangdump, stragglers, trace
+from pycoll.transport.p2p import P2PEngine
+from pycoll.transport.shm.arena import ShmArena
+from pycoll.transport.tcp.mesh import build_mesh
+from pycoll.transport.tcp.transport import TcpTransport
+
+log = logging.getLogger("pycoll")
+
+Task = Callable[[int, float], None]  # fn(seq, deadline)
+_grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch_compat.set_grad_enabled
+
+
+@functools.lru_cache(maxsize=1024)
+def cached_schedule(collective: str, algo: str, rank: int, world: int, *args):
+    """Schedules are pure functions of their arguments, so they are built once and reused."""
+    return algorithms.get(collective, algo)(rank, world, *args)
+
+
+MODES = ("auto", "tcp", "shm", "hierarchical")
+
+
+def choose_mode(requested: str, hosts: list[str]) -> str:
+    """PYCOLL_TRANSPORT -> the path this group takes, given each rank's host identity."""
+    requested = requested.lower()
+    if requested not in MODES:
+        raise ValueError(f"PYCOLL_TRANSPORT={requested!r}: choose one of {', '.join(MODES)}")
+    n_hosts = len(set(hosts))
+    if requested == "shm" and n_hosts > 1:
+        raise ValueError(f"PYCOLL_TRANSPORT=shm needs all ranks on one host; they span {n_hosts} hosts")
+    if requested != "auto":
+        return requested
+    if len(hosts) == 1:
+        return "tcp"
+    if n_hosts == 1:
+        return "shm"
+    return "hierarchical" if n_hosts < len(hosts) else "tcp"
+
+
+class Communicator:
+    def __init__(self, store, rank: int, world: int, timeout: float, *,
+                 algo_overrides: dict[str, str] | None = None) -> None:
+        self.rank, self.world, self.timeout = rank, world, timeout
+        global_rank = dist.get_rank() if dist.is_initialized() else rank
+        hosts = rendezvous.exchange_all(store, "pycoll/host", rank, world,
+                                        rendezvous.host_identity(global_rank))
+        self.mode = choose_mode(os.environ.get("PYCOLL_TRANSPORT", "auto"), hosts)
+        coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
+        self.tcp = TcpTransport(rank, world, coll_socks)
+        # PYCOLL_FAULT (docs/faults.md): this rank's injector, None (and free) when unset.
+        self.faults = faults.injector(rank)
+        self.transport = faults.wrap(self.tcp, self.faults)
+        self._before_op = self.faults.before_op if self.faults is not None else None
+        self.arena: ShmArena | None = None
+        self.leaders: list[int] = []
+        self.leader_executor: Executor | None = None
+        self.executor_segment = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
+        self.executor = Executor(self.transport, self.executor_segment)
+        if self.mode != "tcp":
+            self._init_shared_memory(store, hosts, timeout)
+        if self.faults is not None:
+            self.faults.sever = self._sever
+        # User callbacks of futures that pycoll's own threads complete run here (callbacks.py).
+        self.runner = callbacks.Runner(f"pycoll-callbacks-{rank}")
+        self.p2p = P2PEngine(rank, world, p2p_socks, self.runner)
+        self.tuner = Tuner(world, algo_overrides)
+        self.error: BaseException | None = None
+        self._seq = 0
+        self._queue: deque[tuple[Work, Task]] = deque()
+        # Entered as the raw lock on the latency path (a Condition's __enter__ is Python code).
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._running = False
+        self._waiting = 0
+        self._closed = False
+        self._shut = False
+        self._worker = callbacks.start_thread(self._work_loop, self.fail, f"pycoll-worker-{rank}",
+                                              self.runner)
+        # Observability (docs/observability.md): per-op state for describe_pending, every
+        # rank's arrivals for pycoll.stats, and the PYCOLL_TRACE / PYCOLL_DEBUG hook.
+        self.current: tuple[str, int, float] | None = None
+        self.arrivals: deque = deque(maxlen=stragglers.WINDOW)
+        self.tracer = None
+        trace.attach(self)
+        _LIVE.add(self)
+
+    def _init_shared_memory(self, store, hosts: list[str], timeout: float) -> None:
+        """Map this host's arena; in hierarchical mode also the leaders' TCP sub-transport."""
+        order = list(dict.fromkeys(hosts))           # hosts in order of their lowest rank
+        local = [r for r in range(self.world) if hosts[r] == hosts[self.rank]]
+        self.arena = ShmArena(store, f"pycoll/shm/{order.index(hosts[self.rank])}", local.index(self.rank),
+                              len(local), local, timeout)
+        self.local_ranks = local
+        self.host_of = [order.index(h) for h in hosts]
+        self.leaders = [next(r for r in range(self.world) if hosts[r] == h) for h in order]
+        self.arena.fault = self.faults
+        if self.mode == "hierarchical" and self.rank in self.leaders:
+            sub = faults.wrap(self.tcp.subset(self.leaders), self.faults)
+            self.leader_executor = Executor(sub, self.executor_segment)
+
+    # -- submission and execution -----------------------------------------------------
+    def submit(self, op: str, outputs: list, task: Task, inline: bool,
+               timeout: float | None = None) -> Work:
+        """Queue ``task``; ``timeout`` (seconds) overrides the group's for this op only."""
+        with self._lock:
+            if self._closed:
+                raise PycollError(f"{op}: process group has been destroyed")
+            seq = self._seq
+            self._seq += 1
+            # The common blocking call with nothing queued before it runs at once, here:
+            # the same as _drive would do, without its queue round trip, and its Work is
+            # born finished.
+            express = inline and not self._running and not self._queue
+            if express:
+                self._running = True
+            else:
+                work = Work(op, seq, outputs, driver=self._drive)
+                work.op_timeout = timeout
+                self._queue.append((work, task))
+                if not inline:
+                    self._cv.notify_all()
+        if express:
+            try:
+                error = self._run(op, seq, timeout, task)
+            finally:
+                self._release()
+            return finished(op, seq, outputs, error)
+        if inline:
+            self._drive(work)
+        return work
+
+    def _drive(self, until: Work | None) -> None:
+        """Run queued ops in order in this thread, up to and including ``until``."""
+        while True:
+            with self._lock:
+                while self._running:
+                    if until is not None and until.is_completed():
+                        return
+                    self._waiting += 1
+                    try:
+                        self._cv.wait()
+                    finally:
+                        self._waiting -= 1
+                if (until is not None and until.is_completed()) or not self._queue:
+                    return
+                work, task = self._queue.popleft()
+                self._running = True
+            try:
+                error = self._run(work.op, work.seq, work.op_timeout, task)
+            except BaseException as exc:  # noqa: BLE001 - the op's waiters get it too
+                error = exc
+                raise
+            finally:
+                # Done and released before any callback runs: a callback may issue and
+                # wait for the next collective, which must find the group free.
+                work.mark_done(error)
+                self._release()
+            work.settle()
+            if work is until:
+                return
+
+    def _release(self) -> None:
+        """The running op is done: let the next driver in."""
+        with self._lock:
+            self._running = False
+            # Wake only a thread that waits for this one (a wake-up per op would cost the
+            # synchronous path a context switch of the idle worker).
+            if self._waiting or self._queue:
+                self._cv.notify_all()
+
+    def _run(self, op: str, seq: int, timeout: float | None, task: Task) -> BaseException | None:
+        """Run one op; returns its error (None: success) for the caller to complete its Work."""
+        if self.error is not None:
+            return PycollError(f"{op} seq {seq}: process group is unusable after "
+                               f"an earlier error: {self.error}")
+        if self._before_op is not None:
+            self._before_op(op, seq)
+        t0 = time.monotonic()
+        self.current = (op, seq, t0)
+        # Results are written in place into the caller's tensors, which may be leaf
+        # parameters that require grad (dist.all_reduce(param) works on gloo); grad mode is
+        # per thread and on by default in the worker, so it is off while a task runs.
+        grad = _grad_enabled()
+        if grad:
+            _set_grad_enabled(False)
+        limit = timeout or self.timeout
+        try:
+            task(seq, t0 + limit)
+        except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
+            if isinstance(exc, CommTimeoutError) and exc.timeout_s is None:
+                exc.timeout_s = limit
+            hangdump.on_failure(self, exc)
+            self.current = None
+            # Arguments were validated before submission, so any failure here happened
+            # mid-collective: peers may be waiting for frames that will never come. The
+            # group is broken and the transports are aborted so that they fail fast too.
+            self.error = exc
+            self.transport.abort(str(exc))
+            if self.arena is not None:
+                self.arena.abort(root_cause(exc))
+            log.error("pycoll rank %d: %s", self.rank, exc)
+            return exc
+        finally:
+            if grad:
+                _set_grad_enabled(True)
+        t1 = time.monotonic()
+        self.arrivals.append((seq, op, t0, t1))
+        self.current = None
+        if self.tracer is not None:
+            self.tracer(("op", op, seq, t0, t1, self.mode))
+        return None
+
+    def fail(self, exc: BaseException) -> None:
+        """Break the group with ``exc`` (a pycoll thread died of it): abort the transports so
+        that peers fail fast, and fail every queued op, whose waiters would wait in vain."""
+        if self.error is None:
+            self.error = exc
+        self.transport.abort(f"{type(exc).__name__}: {exc}")
+        if self.arena is not None:
+            self.arena.abort(root_cause(exc))
+        with self._lock:
+            queued, self._queue = list(self._queue), deque()
+        for work, _task in queued:
+            work.complete(PycollError(f"{work.op} seq {work.seq}: process group failed: "
+                                      f"{type(exc).__name__}: {exc}"))
+
+    def _work_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed and not self._queue:
+                    return
+            self._drive(None)
+
+    def run_schedule(self, collective: str, nbytes: int, args: tuple, bufs: dict, sig,
+                     reduction, deadline: float, leaders_only: bool = False) -> None:
+        """Run the tuner's algorithm over TCP: all ranks, or (``leaders_only``) the host leaders."""
+        if leaders_only:
+            world, rank, executor = len(self.leaders), self.leaders.index(self.rank), self.leader_executor
+        else:
+            world, rank, executor = self.world, self.rank, self.executor
+        algo = self.tuner.choose(collective, nbytes, world)
+        sched = cached_schedule(collective, algo, rank, world, *args)
+        executor.run(sched, bufs, sig, reduction, deadline)
+
+    def describe_pending(self) -> str:
+        """What this rank waits for now: collective, sequence, step, peer, bytes done of total."""
+        return hangdump.describe(self)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def shutdown(self, abort: bool = False, reason: str = "aborted by the user") -> None:
+        """Finish queued and running ops (as gloo does; with ``abort``, fail them with
+        ``reason``), then release sockets and threads. Idempotent.
+
+        An op that another thread is running finishes first, within its own deadline; one
+        that still runs after that is failed with an error saying the group was destroyed
+        under it, instead of meeting released sockets and memory.
+        """
+        with self._cv:
+            if self._shut:
+                return
+            self._shut = self._closed = True
+            self._cv.notify_all()
+        _LIVE.discard(self)
+        if abort:
+            self._abort_transports(reason)
+        limit = 5.0 if abort else self.timeout
+        if threading.current_thread() is not self._worker:
+            self._worker.join(limit)
+        if not self._wait_idle(limit):
+            op = self.current
+            what = f"{op[0]} seq {op[1]}" if op else "an operation"
+            self._abort_transports(f"process group destroyed while {what} was running")
+            self._wait_idle(5.0)
+        trace.detach(self, abort)
+        self.p2p.close()
+        self.transport.close()
+        if self.arena is not None:
+            self.arena.close()
+        self.runner.close()
+
+    def _sever(self, reason: str) -> None:
+        """Drop every connection without a word (fault injection: what a crash looks like)."""
+        self.transport.sever(reason)
+        if self.arena is not None:
+            self.arena.abort(reason)
+
+    def _abort_transports(self, reason: str) -> None:
+        self.transport.abort(reason)
+        if self.arena is not None:
+            self.arena.abort(reason)
+
+    def _wait_idle(self, seconds: float) -> bool:
+        """Wait until no op runs (one a user thread drives); False if one still does."""
+        end = time.monotonic() + seconds
+        with self._cv:
+            while self._running:
+                left = end - time.monotonic()
+                if left <= 0:
+                    return False
+                self._waiting += 1
+                try:
+                    self._cv.wait(min(left, 1.0))
+                finally:
+                    self._waiting -= 1
+        return True
+
+
+# Groups still alive at interpreter exit are shut down before Python finalizes: a pycoll
+# thread that Python's finalization stops inside torch's C++ code would end the process
+# with "terminate called without an active exception" (sys.exit with an op in flight).
+_LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_at_exit() -> None:
+    for comm in list(_LIVE):
+        busy = comm._running or bool(comm._queue)
+        try:
+            comm.shutdown(abort=busy, reason="the process is exiting with collectives in flight")
+        except Exception:  # noqa: BLE001 - nothing may stop the exit
+            log.exception("pycoll rank %d: shutdown at exit failed", comm.rank)

@@ -1,0 +1,410 @@
+"""Collectives of the ranks of one host, directly in shared memory.
+
+Every collective runs in rounds over the double-buffered staging slots of an ``ShmArena``
+(a round moves at most one slot of data per rank, so a 1 GiB tensor needs no 1 GiB of
+/dev/shm). The one rule that makes two slot halves enough: a rank reads the slots of round
+k only between round k's first barrier and its own next barrier, and writes a slot half
+only after a barrier of the round before; so no write can overtake a peer's read.
+
+- all_reduce, small (<= ONE_SHOT_BYTES): each rank writes its input, one barrier, each rank
+  reduces all inputs in rank order (bitwise the same result everywhere). 1 barrier a round.
+- all_reduce, two ranks, larger: each stages the half its peer reduces, reduces its own half
+  into its output, publishes it, copies the peer's half out: half the reduction work of the
+  one-shot form and 4.5 bytes moved per byte against 5, for a second barrier a round.
+- all_reduce, large: write input, barrier, rank r reduces slice r of every input in place
+  in its own slot (an in-memory reduce-scatter), barrier, every rank copies all reduced
+  slices out (an in-memory all-gather). 2 barriers a round; each rank reads ~2n bytes.
+- reduce: as large all_reduce, only the root copies out.
+- broadcast / scatter: the root writes, barrier, the others copy out.
+- all_gather / gather: each writes, barrier, each (or the root) copies all out.
+- reduce_scatter: each rank writes block q of its input into region q of its slot, barrier,
+  rank r reduces region r of every slot into its output.
+- all_to_all: each rank writes block q into region q of its slot, barrier, rank r copies
+  region r of every slot.
+- barrier: a barrier.
+
+The first barrier of every collective also checks that all local ranks published the same
+signature (collective, sequence number, dtype, size, op, root), so a mismatch is an error
+on every rank, never a hang or a wrong result.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import numpy as np
+import torch
+
+from pycoll.algorithms.schedule import chunks, displacements
+from pycoll.core import kernels
+from pycoll.core.kernels import copy
+from pycoll.core.reductions import Reduction
+from pycoll.errors import MismatchError
+from pycoll.transport.shm.arena import ShmArena
+
+ONE_SHOT_BYTES = 64 << 10
+# Two-rank all_reduce rounds of 1 MiB rather than the whole 4 MiB slot: medians of 6 runs
+# each, 2026-12-03, busbw at 4 / 16 / 64 MiB: 6.5 / 4.9 / 5.7 GB/s against 5.1 / 4.1 / 3.5
+# with 4 MiB rounds (512 KiB rounds: 5.7 / 5.3 / 6.2; 2 MiB: 4.6 / 4.3 / 4.9).
+PAIR_ROUND_BYTES = 1 << 20
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
+       "all_to_all", "barrier")
+DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+          torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
+REDOPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor", "avg", "premul_sum")
+
+
+# Word values by name: a dict lookup costs a third of tuple.index on the latency path.
+_OP_WORD, _DTYPE_WORD, _REDOP_WORD = ({v: i for i, v in enumerate(names)} for names in (OPS, DTYPES, REDOPS))
+_FLOAT16 = torch.float16   # (a module global: read on every small all_reduce)
+# numpy computes float16 in software (230 us against torch's 5 us at 32768 elements): the
+# numpy round reduces float16 only up to this many elements.
+_NP_FLOAT16_MAX = 128
+
+
+def _numpy_reduces(red: Reduction, n: int, dtype: torch.dtype) -> bool:
+    """Whether a small round reduces ``n`` elements of ``dtype`` with ``red`` in numpy (a small
+    message's cost is call overhead, and numpy's is a third of torch's): numpy has the op,
+    and for float16 the message is short."""
+    return red.ufunc is not None and (n <= _NP_FLOAT16_MAX or dtype is not _FLOAT16)
+
+
+def signature(op: str, seq: int, dtype: torch.dtype, numel: int, redop: str = "", root: int = -1,
+              extra: int = 0) -> tuple[int, ...]:
+    return (_OP_WORD[op], seq, _DTYPE_WORD[dtype], numel, _REDOP_WORD[redop], root, extra)
+
+
+def words_nbytes(words: tuple[int, ...]) -> int:
+    """Bytes of the message a signature describes (its numel x its dtype's size)."""
+    return words[3] * DTYPES[words[2]].itemsize if words else 0
+
+
+def describe(words: tuple[int, ...]) -> str:
+    op, seq, dt, numel, red, root, _ = words
+    try:
+        text = f"{OPS[op]}(seq={seq}, dtype={str(DTYPES[dt]).removeprefix('torch.')}, numel={numel}"
+    except IndexError:
+        return f"<unknown collective {words}>"
+    return text + (f", op={REDOPS[red]}" if red else "") + (f", root={root}" if root >= 0 else "") + ")"
+
+
+def counts_hash(counts) -> int:
+    return zlib.crc32(repr(tuple(counts)).encode())
+
+
+def _rounds(n: int, cap: int):
+    """(offset, count) of each round; a zero-size collective still has one round."""
+    if n == 0:
+        yield 0, 0
+        return
+    for off in range(0, n, cap):
+        yield off, min(cap, n - off)
+
+
+class _Barriers:
+    """The first barrier of a collective also checks everyone's signature."""
+
+    __slots__ = ("arena", "words", "deadline", "what", "first", "round0", "tracer", "count", "t")
+
+    def __init__(self, arena: ShmArena, words: tuple[int, ...], deadline: float, what: str) -> None:
+        self.arena, self.words, self.deadline, self.what = arena, words, deadline, what
+        self.first = True
+        arena.publish(words)
+        arena.pending, self.round0, self.tracer = self, arena.rounds, arena.tracer
+        if self.tracer is not None:
+            self.count, self.t = 0, time.monotonic()
+
+    def __call__(self) -> None:
+        if self.tracer is not None:
+            return self._traced()
+        self.arena.sync(self.deadline, self.what)
+        if self.first:
+            self.first = False
+            self.arena.check_signatures(self.words, describe)
+
+    def _traced(self) -> None:
+        """A barrier, recorded with the copy/reduce phase before it (PYCOLL_TRACE)."""
+        a, t0 = self.arena, time.monotonic()
+        a.sync(self.deadline, self.what)
+        if self.first:
+            self.first = False
+            a.check_signatures(self.words, describe)
+        t1 = time.monotonic()
+        self.count += 1
+        rnd = a.rounds - self.round0
+        self.tracer(("shm", self.words, self.count, rnd, round_bytes(self.words, rnd, a.slot_bytes, a.size),
+                     self.t, t0, t1))
+        self.t = t1
+
+
+def round_bytes(words, rnd: int, slot_bytes: int, size: int) -> int | None:
+    """Bytes each rank stages in round ``rnd`` (1-based) of a collective; None: not known here."""
+    op, numel, isz = OPS[words[0]], words[3], DTYPES[words[2]].itemsize
+    if op == "barrier":
+        return 0
+    if op in ("reduce_scatter", "all_to_all"):
+        return None     # per-rank counts travel only as a hash
+    cap = slot_bytes // isz // (size if op == "scatter" else 1)
+    if op == "all_reduce" and numel * isz <= min(ONE_SHOT_BYTES, slot_bytes):
+        cap = numel
+    return max(0, min(cap, numel - (rnd - 1) * cap)) * isz
+
+
+def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float, what: str) -> None:
+    if is_small_all_reduce(arena, t, red):
+        return small_all_reduce(arena, t, red, words, deadline, what)
+    n, dt = t.numel(), t.dtype
+    barrier = _Barriers(arena, words, deadline, what)
+    L, me = arena.size, arena.me
+    if L == 2 and n * dt.itemsize > ONE_SHOT_BYTES:
+        return _all_reduce_pair(arena, t, red, barrier)
+    if L <= 2 or n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):
+        # One-shot rounds (small messages without a numpy kernel, or one rank): every rank
+        # reduces the whole round, in rank order, straight into its output; one barrier.
+        for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
+            p = arena.next_parity()
+            slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
+            copy(slots[me], t[off:off + c])
+            barrier()
+            if L > 1:
+                out = t[off:off + c]
+                red.combine(slots[0], slots[1], out)
+                for q in range(2, L):
+                    red.reduce(out, slots[q])
+        return
+    for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
+        p = arena.next_parity()
+        slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
+        copy(slots[me], t[off:off + c])
+        barrier()
+        bounds = chunks(c, L)
+        lo, size = bounds[me]
+        acc = slots[me][lo:lo + size]
+        for q in range(L):
+            if q != me:
+                red.reduce(acc, slots[q][lo:lo + size])
+        barrier()
+        for q, (lo, size) in enumerate(bounds):
+            copy(t[off + lo:off + lo + size], slots[q][lo:lo + size])
+
+
+def is_small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction) -> bool:
+    """Whether all_reduce of ``t`` takes the one-round numpy form (small_all_reduce)."""
+    n, dt = t.numel(), t.dtype
+    nbytes = n * dt.itemsize
+    return _numpy_reduces(red, n, dt) and nbytes <= ONE_SHOT_BYTES and nbytes <= arena.slot_bytes
+
+
+def small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float,
+                     what: str) -> None:
+    """One round in numpy, for the calls that ``is_small_all_reduce`` accepts."""
+    barrier = _Barriers(arena, words, deadline, what)
+    tn = kernels.numpy_at(t)
+    # (Exactly one parity step per round: skipping one would let a rank overwrite a slot
+    # half that a slower peer is still reading.)
+    slots = arena.numpy_slots(arena.next_parity(), tn.dtype, t.numel())
+    slots[arena.me][...] = tn     # (a third of np.copyto's cost)
+    barrier()
+    if len(slots) > 1:
+        _np_reduce_in_order(red, slots, tn)
+
+
+def _np_reduce_in_order(red: Reduction, parts, out: np.ndarray) -> None:
+    """``out = parts[0] op parts[1] op ...`` (two parts at least), in rank order on every
+    rank, so that every rank's result is bitwise the same."""
+    red.np_combine(parts[0], parts[1], out)
+    for part in parts[2:]:
+        red.np_combine(out, part, out)
+
+
+def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) -> None:
+    """Two ranks, large: each stages only the half its peer reduces, reduces its own half
+    straight into its output (``x0 op x1`` in rank order), publishes it in the unused half of
+    its slot, and copies the peer's reduced half out. Per rank and element: 4.5 bytes moved
+    per byte of data against the one-shot form's 5, for a second barrier per round.
+
+    Where numpy loops over the dtype, the schedule runs on numpy views made once per call
+    (a tensor-to-numpy conversion in every copy and reduce cost ~20 us a round).
+
+    Rounds stop at PAIR_ROUND_BYTES however large the slot: a round's input, slot and the
+    peer's slot then stay in cache between its copy, reduce and copy-out."""
+    me, dt = arena.me, t.dtype
+    if red.numpy_loops:
+        buf = kernels.as_numpy(t)
+        slots, put, combine = (lambda p: arena.numpy_slots(p, buf.dtype)), np.copyto, red.np_combine
+    else:
+        buf = t
+        slots, put, combine = (lambda p: (arena.slot(0, p, dt), arena.slot(1, p, dt))), copy, red.combine
+    for off, c in _rounds(t.numel(), min(arena.slot_bytes, PAIR_ROUND_BYTES) // dt.itemsize):
+        both = slots(arena.next_parity())
+        mine, peer = both[me], both[1 - me]
+        halves = chunks(c, 2)
+        (lo_m, n_m), (lo_p, n_p) = halves[me], halves[1 - me]
+        put(mine[lo_p:lo_p + n_p], buf[off + lo_p:off + lo_p + n_p])
+        barrier()
+        out, theirs = buf[off + lo_m:off + lo_m + n_m], peer[lo_m:lo_m + n_m]
+        combine(*((out, theirs) if me == 0 else (theirs, out)), out)
+        put(mine[lo_m:lo_m + n_m], out)
+        barrier()
+        put(buf[off + lo_p:off + lo_p + n_p], peer[lo_p:lo_p + n_p])
+
+
+def reduce(arena: ShmArena, src: torch.Tensor, out: torch.Tensor | None, root: int, red: Reduction,
+           words, deadline: float, what: str) -> None:
+    """``src`` is this rank's contribution; the root's result goes to ``out``."""
+    L, me, dt = arena.size, arena.me, src.dtype
+    barrier = _Barriers(arena, words, deadline, what)
+    for off, c in _rounds(src.numel(), arena.slot_bytes // dt.itemsize):
+        p = arena.next_parity()
+        slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
+        copy(slots[me], src[off:off + c])
+        barrier()
+        bounds = chunks(c, L)
+        lo, size = bounds[me]
+        for q in range(L):
+            if q != me:
+                red.reduce(slots[me][lo:lo + size], slots[q][lo:lo + size])
+        barrier()
+        if me == root:
+            for q, (lo, size) in enumerate(bounds):
+                copy(out[off + lo:off + lo + size], slots[q][lo:lo + size])
+
+
+def broadcast(arena: ShmArena, t: torch.Tensor, root: int, words, deadline: float, what: str) -> None:
+    barrier = _Barriers(arena, words, deadline, what)
+    for off, c in _rounds(t.numel(), arena.slot_bytes // t.dtype.itemsize):
+        p = arena.next_parity()
+        slot = arena.slot(root, p, t.dtype)[:c]
+        if arena.me == root:
+            copy(slot, t[off:off + c])
+        barrier()
+        if arena.me != root:
+            copy(t[off:off + c], slot)
+
+
+def all_gather(arena: ShmArena, out: torch.Tensor | None, inp: torch.Tensor, root: int, words,
+               deadline: float, what: str) -> None:
+    """All-gather (``root`` < 0) or gather to ``root``: block q of ``out`` is rank q's input."""
+    L, me, dt, n = arena.size, arena.me, inp.dtype, inp.numel()
+    barrier = _Barriers(arena, words, deadline, what)
+    nbytes = n * dt.itemsize
+    if nbytes <= ONE_SHOT_BYTES and nbytes <= arena.slot_bytes and dt in kernels.NUMPY_VIEWABLE:
+        # One round in numpy, as small_all_reduce: four torch slices and copies a peer cost
+        # more than the data.
+        src = kernels.numpy_at(inp)
+        slots = arena.numpy_slots(arena.next_parity(), src.dtype, n)
+        slots[me][...] = src
+        barrier()
+        if root < 0 or me == root:
+            dst = kernels.numpy_at(out)
+            for q in range(L):
+                dst[q * n:(q + 1) * n] = slots[q]
+        return
+    for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
+        p = arena.next_parity()
+        copy(arena.slot(me, p, dt)[:c], inp[off:off + c])
+        barrier()
+        if root < 0 or me == root:
+            for q in range(L):
+                copy(out[q * n + off:q * n + off + c], arena.slot(q, p, dt)[:c])
+
+
+def scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor | None, root: int, words,
+            deadline: float, what: str) -> None:
+    L, me, dt, n = arena.size, arena.me, out.dtype, out.numel()
+    barrier = _Barriers(arena, words, deadline, what)
+    region = arena.slot_bytes // dt.itemsize // L
+    for off, c in _rounds(n, region):
+        p = arena.next_parity()
+        slot = arena.slot(root, p, dt)
+        if me == root:
+            for q in range(L):
+                copy(slot[q * region:q * region + c], inp[q * n + off:q * n + off + c])
+        barrier()
+        copy(out[off:off + c], slot[me * region:me * region + c])
+
+
+def reduce_scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, counts: tuple[int, ...],
+                   red: Reduction, words, deadline: float, what: str) -> None:
+    L, me, dt = arena.size, arena.me, inp.dtype
+    barrier = _Barriers(arena, words, deadline, what)
+    region = arena.slot_bytes // dt.itemsize // L
+    disp = displacements(list(counts))
+    c = counts[me]
+    if (_numpy_reduces(red, c, dt) and inp.numel() * dt.itemsize <= ONE_SHOT_BYTES and max(counts) <= region
+            and dt in kernels.NUMPY_VIEWABLE):
+        # One round in numpy, as small_all_reduce (and in the same rank order).
+        src = kernels.numpy_at(inp)
+        slots = arena.numpy_slots(arena.next_parity(), src.dtype)
+        for q in range(L):
+            slots[me][q * region:q * region + counts[q]] = src[disp[q]:disp[q] + counts[q]]
+        barrier()
+        dst, lo = kernels.numpy_at(out), me * region
+        parts = [s[lo:lo + c] for s in slots]
+        if L == 1:
+            dst[...] = parts[0]
+        else:
+            _np_reduce_in_order(red, parts, dst)
+        return
+    for off, _ in _rounds(max(counts, default=0), region):
+        p = arena.next_parity()
+        mine = arena.slot(me, p, dt)
+        for q in range(L):
+            c = max(0, min(region, counts[q] - off))
+            copy(mine[q * region:q * region + c], inp[disp[q] + off:disp[q] + off + c])
+        barrier()
+        c = max(0, min(region, counts[me] - off))
+        seg = out[off:off + c]
+        copy(seg, arena.slot(0, p, dt)[me * region:me * region + c])
+        for q in range(1, L):
+            red.reduce(seg, arena.slot(q, p, dt)[me * region:me * region + c])
+
+
+def all_to_all(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, send_counts: tuple[int, ...],
+               recv_counts: tuple[int, ...], words, deadline: float, what: str) -> None:
+    L, me, dt = arena.size, arena.me, inp.dtype
+    barrier = _Barriers(arena, words, deadline, what)
+    # Word 7 (not compared) carries each rank's largest block: all ranks need the global
+    # maximum to agree on the number of rounds.
+    arena.publish(words + (max(send_counts, default=0),), new_op=False)
+    # The first round's slot starts with every rank's send counts, so that each rank checks
+    # what its peers send it against what it expects: split sizes are per rank, so no
+    # signature word can hold them, and a disagreement must not pass as stale data.
+    head = -(-8 * L // 64) * 64
+    region = (arena.slot_bytes - head) // dt.itemsize // L
+    sdisp, rdisp = displacements(list(send_counts)), displacements(list(recv_counts))
+    off, rounds = 0, 1
+    while off == 0 or off < rounds * region:
+        p = arena.next_parity()
+        mine = arena.slot(me, p)[head:].view(dt)
+        if off == 0:
+            arena.slot(me, p)[:8 * L].view(torch.int64).copy_(torch.tensor(send_counts, dtype=torch.int64))
+        for q in range(L):
+            c = max(0, min(region, send_counts[q] - off))
+            copy(mine[q * region:q * region + c], inp[sdisp[q] + off:sdisp[q] + off + c])
+        barrier()
+        if off == 0:
+            _check_split_sizes(arena, p, recv_counts, what)
+            gmax = max(arena.peer_word(q, 7) for q in range(L))
+            rounds = max(1, -(-gmax // region))
+        for q in range(L):
+            c = max(0, min(region, recv_counts[q] - off))
+            copy(out[rdisp[q] + off:rdisp[q] + off + c], arena.slot(q, p)[head:].view(dt)[me * region:me * region + c])
+        off += region
+
+
+def _check_split_sizes(arena: ShmArena, parity: int, recv_counts: tuple[int, ...], what: str) -> None:
+    """Each peer's published send count to this rank must be what this rank expects."""
+    L, me = arena.size, arena.me
+    for q in range(L):
+        sent = int(arena.slot(q, parity)[8 * me:8 * me + 8].view(torch.int64))
+        if sent != recv_counts[q]:
+            raise MismatchError(
+                f"{what}: split sizes disagree: rank {arena.ranks[q]} sends {sent} elements to rank "
+                f"{arena.ranks[me]}, which expects {recv_counts[q]} from it", rank=arena.ranks[me],
+                peer=arena.ranks[q])
+
+
+def barrier(arena: ShmArena, words, deadline: float, what: str) -> None:
+    _Barriers(arena, words, deadline, what)()

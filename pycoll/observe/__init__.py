@@ -1,0 +1,1 @@
+"""Observers of the engine: tracing, clocks, straggler statistics, hang dumps, fault injection."""

@@ -1,0 +1,331 @@
+"""TCP transport, failure handling ("never hang"): ABORT and BYE frames, watching idle
+connections, the errors a step raises, and abort/sever/close.
+
+- While waiting, every other connection of the mesh is watched for its peer hanging up
+  (POLLRDHUP), not only the ones this step uses: a rank blocked on a live peer still learns
+  within milliseconds that some other rank died or aborted (``_inspect``), or that it sent
+  a frame of another collective (``_peek``: a mismatch).
+- A rank that fails sends an ABORT frame (reason, error class, rank where the failure
+  started) on every connection before shutting it down, so every rank reports the root
+  cause ("rank 2 died", "collective mismatch: ...") rather than "rank 1 closed". A frame
+  that was half sent is first completed with zero bytes so the ABORT lands on a frame
+  boundary (the failed collective's output is undefined anyway).
+- A clean ``close`` sends a BYE frame first (also at interpreter exit). So end of stream
+  without BYE or ABORT means the peer died; on a connection this step does not use it is
+  acted on after ``DEAD_PEER_GRACE`` seconds, in case the step completes without that peer.
+
+``FailureHandling`` is a base class of ``tcp.TcpTransport``: its methods use the
+transport's ``rank``, ``conns``, ``_st`` (a ``SharedState``), ``_g`` and ``aborted``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import select
+import socket
+import threading
+import time
+import weakref
+
+from pycoll.errors import (
+    CommError,
+    CommTimeoutError,
+    MismatchError,
+    PeerClosedError,
+    ProtocolError,
+)
+from pycoll.transport.base import control_error
+from pycoll.transport.tcp.conn import READ_AHEAD, Conn, RecvState, SendState
+from pycoll.wire import (
+    ABORT,
+    BYE,
+    DATA,
+    control_frame,
+    control_payload_length,
+    decode_header,
+    header_length,
+)
+
+DEAD_PEER_GRACE = 1.0     # seconds between an idle connection's EOF and calling its peer dead
+ABORT_GRACE = 0.25        # seconds spent delivering ABORT frames before shutting sockets
+MAX_PAD = 64 << 20        # a half-sent frame longer than this is not completed: plain EOF
+
+
+class SharedState:
+    """What a transport and its subsets share: the sockets' lock and the failure."""
+
+    def __init__(self) -> None:
+        self.aborted: str | None = None
+        self.failure: CommError | None = None     # the error that broke the transport
+        self.partial: dict[Conn, int] = {}        # bytes left of half-sent frames
+        self.lock = threading.Lock()              # held by exchange and by the ABORT sender
+        self.abort_sent = False
+        self.closed = False
+        self.wake_r, self.wake_w = os.pipe()      # wakes an exchange when abort() is called
+        os.set_blocking(self.wake_r, False)
+        os.set_blocking(self.wake_w, False)
+
+
+LIVE: "weakref.WeakSet[FailureHandling]" = weakref.WeakSet()  # transports not yet closed
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """A script that exits without destroy_process_group still says goodbye to its peers."""
+    for t in list(LIVE):
+        try:
+            t.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+class FailureHandling:
+    """What a TCP transport does when something goes wrong, and how it says goodbye."""
+
+    def _failed(self, exc: CommError, sends: dict[int, "SendState"]) -> None:
+        if self._st.failure is None:
+            self._st.failure = exc
+        if self._st.aborted is None:
+            self._st.aborted = str(exc)
+        self._st.partial = {self.conns[p]: q.partial() for p, q in sends.items() if q.partial()}
+
+    # -- watching connections a step does not use ----------------------------------------
+    def _peek(self, conn: Conn, what: str) -> None:
+        """A peer this step does not receive from sent something: if it is a frame of this
+        collective that does not match it, or of an earlier one, the ranks called different
+        collectives (e.g. all_reduce here, broadcast there, each waiting for the other)."""
+        try:
+            conn.fill()
+        except EOFError:
+            return self._inspect(conn, what)
+        except OSError:
+            return
+        if conn.rend - conn.rpos < 4:
+            return
+        peer = conn.peer
+        try:
+            hlen = header_length(conn.rbuf[conn.rpos:conn.rpos + 4])
+            if conn.rend - conn.rpos < 4 + hlen:
+                return
+            got = decode_header(conn.rbuf[conn.rpos + 4:conn.rpos + 4 + hlen])
+        except ProtocolError as exc:
+            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got garbage from rank "
+                                f"{self._g(peer)}: {exc}", rank=self._g(self.rank), peer=self._g(peer)) from None
+        if got.kind != DATA:
+            return self._inspect(conn, what)
+        cur = self._cur
+        if cur is not None and got.sig != cur and got.sig.seq <= cur.seq:
+            raise MismatchError(
+                f"collective mismatch: rank {self._g(self.rank)} called {cur.describe()} but rank "
+                f"{self._g(peer)} called {got.sig.describe()}", op=cur.op, seq=cur.seq,
+                rank=self._g(self.rank), peer=self._g(peer))
+
+    def _inspect(self, conn: Conn, what: str) -> None:
+        """A connection this step does not use hung up: find out why, without consuming.
+
+        Frames already read ahead stay for later steps. An ABORT raises now; a BYE means the
+        peer left cleanly; a bare end of stream starts the dead-peer grace period. When the
+        read-ahead buffer fills before the end can be seen, it is left to the step that
+        reads this connection.
+        """
+        conn.watch = False
+        try:
+            while not conn.eof and not (conn.rpos == 0 and conn.rend == len(conn.rbuf)):
+                if conn.fill() == 0:
+                    break
+        except EOFError:
+            pass
+        except OSError:
+            conn.eof = True
+        pos, peer = conn.rpos, conn.peer
+        while conn.rend - pos >= 4:
+            try:
+                hlen = header_length(conn.rbuf[pos:pos + 4])
+                if conn.rend - pos < 4 + hlen:
+                    break
+                got = decode_header(conn.rbuf[pos + 4:pos + 4 + hlen])
+                if got.kind == DATA:
+                    pos += 4 + hlen + got.nbytes
+                    continue
+                plen = control_payload_length(got)
+            except ProtocolError as exc:
+                raise ProtocolError(f"{what}: rank {self._g(self.rank)} got garbage from rank {self._g(peer)}: {exc}",
+                                    rank=self._g(self.rank), peer=self._g(peer)) from None
+            if got.kind == BYE:
+                conn.bye = True
+                return
+            start = pos + 4 + hlen
+            if conn.rend - start < plen and not conn.eof:
+                break
+            raise control_error(got, bytes(conn.rbuf[start:min(conn.rend, start + plen)]),
+                                self._g(self.rank), self._g(peer), what)
+        if conn.eof and not conn.bye:
+            conn.eof_at = time.monotonic()
+
+    # -- errors --------------------------------------------------------------------------
+    def _aborted_error(self, what: str) -> PeerClosedError:
+        f = self._st.failure
+        exc = PeerClosedError(f"{what}: rank {self._g(self.rank)}: process group was aborted ({self.aborted})",
+                              rank=self._g(self.rank), peer=f.peer if f is not None else -1)
+        if f is not None:
+            exc.origin, exc.root_cause = f.origin, f.root_cause
+        return exc
+
+    def _eof_error(self, peer: int, what: str, st: RecvState | None) -> PeerClosedError:
+        where = ""
+        if st is not None and st.total:
+            where = (f" (it had sent {st.done + (st.off if st.cur is not None else 0)} of "
+                     f"{st.total} bytes of this step)")
+        exc = PeerClosedError(f"{what}: rank {self._g(peer)} closed its connection to rank {self._g(self.rank)} "
+                              f"without a goodbye: rank {self._g(peer)} died (killed or crashed) or lost "
+                              f"its network{where}", rank=self._g(self.rank), peer=self._g(peer))
+        exc.origin = self._g(peer)
+        return exc
+
+    def _reset_error(self, peer: int, what: str, err: OSError) -> PeerClosedError:
+        exc = PeerClosedError(f"{what}: the connection from rank {self._g(self.rank)} to rank {self._g(peer)} failed "
+                              f"({err.strerror or err}): rank {self._g(peer)} died or aborted",
+                              rank=self._g(self.rank), peer=self._g(peer))
+        exc.origin = self._g(peer)
+        return exc
+
+    def _timeout(self, sends: dict, recvs: dict, what: str) -> CommTimeoutError:
+        parts = []
+        for peer, st in recvs.items():
+            got = st.done + (st.off if st.cur is not None else 0)
+            f = st.cur or (st.frames[0] if st.frames else None)
+            detail = ""
+            if f is not None:
+                done = st.off if st.cur is not None else 0
+                detail = (f" (frame step {f.expect.step} segment {f.expect.seg}: {done} of "
+                          f"{len(f.dest)} bytes, {len(st.frames)} more frames)")
+            parts.append(f"received {got} of {st.total} bytes from rank {self._g(peer)}{detail}")
+        for peer, q in sends.items():
+            parts.append(f"rank {self._g(peer)} has not yet accepted {q.left()} of "
+                         f"{sum(len(b) for b in q.bufs)} bytes sent to it")
+        peer = next(iter(recvs), next(iter(sends), -1))
+        return CommTimeoutError(f"{what}: rank {self._g(self.rank)} timed out waiting for rank {self._g(peer)}: "
+                                + "; ".join(parts), rank=self._g(self.rank), peer=self._g(peer))
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def abort(self, reason: str) -> None:
+        """Tell every peer why this rank stops (ABORT frame), then shut every socket down.
+
+        Called from another thread while an exchange runs, it wakes that exchange (which
+        then fails) and sends once the exchange has let go of the sockets.
+        """
+        if self._st.closed:
+            return
+        if self._st.aborted is None:
+            self._st.aborted = reason
+        try:
+            os.write(self._st.wake_w, b"x")
+        except OSError:
+            pass
+        if self._st.lock.acquire(timeout=2 * ABORT_GRACE + 1.0):
+            try:
+                self._send_abort(reason)
+            finally:
+                self._st.lock.release()
+        self._shutdown_all()
+
+    def sever(self, reason: str) -> None:
+        """Fault injection: drop every connection with no ABORT and no BYE (a crash, to peers)."""
+        if self._st.closed:
+            return
+        if self._st.aborted is None:
+            self._st.aborted = reason
+        self._st.abort_sent = True
+        try:
+            os.write(self._st.wake_w, b"x")
+        except OSError:
+            pass
+        self._shutdown_all()
+
+    def _send_abort(self, reason: str) -> None:
+        if self._st.abort_sent or self._st.closed:
+            return
+        self._st.abort_sent = True
+        f = self._st.failure
+        if f is None:
+            frame = control_frame(ABORT, f"rank {self._g(self.rank)}: {reason}", self._g(self.rank), "PeerClosedError")
+        else:
+            origin = f.origin if f.origin >= 0 else self._g(self.rank)
+            frame = control_frame(ABORT, f.root_cause or str(f), origin, type(f).__name__)
+        out: dict[int, list] = {}
+        for peer, conn in self.conns.items():
+            if conn.eof or conn.bye:
+                continue
+            pad = self._st.partial.get(conn, 0)
+            if pad > MAX_PAD:
+                continue
+            out[peer] = [memoryview(bytes(pad)), memoryview(frame)] if pad else [memoryview(frame)]
+        deadline = time.monotonic() + ABORT_GRACE
+        sink = bytearray(READ_AHEAD)
+        while out and time.monotonic() < deadline:
+            poller = select.poll()
+            for peer in list(out):
+                conn, bufs = self.conns[peer], out[peer]
+                try:
+                    n = conn.sock.sendmsg(bufs)
+                    while n and bufs:
+                        k = min(n, len(bufs[0]))
+                        bufs[0] = bufs[0][k:]
+                        n -= k
+                        if not len(bufs[0]):
+                            bufs.pop(0)
+                    if not bufs:
+                        del out[peer]
+                        continue
+                    # Keep reading (and dropping) what the peer sends, so that two ranks
+                    # writing to each other cannot block each other's goodbye.
+                    while conn.sock.recv_into(sink):
+                        pass
+                    del out[peer]  # the peer closed: nobody is left to tell
+                except BlockingIOError:
+                    poller.register(conn.fd, select.POLLOUT | select.POLLIN)
+                except OSError:
+                    del out[peer]
+            if out:
+                poller.poll(10)
+
+    def _shutdown_all(self) -> None:
+        for c in self.conns.values():
+            try:
+                c.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        if self._st.closed or not self._owner:
+            return
+        locked = self._st.lock.acquire(timeout=1.0)  # an exchange still running fails on EBADF
+        try:
+            self._st.closed = True
+            if self.aborted is None:
+                bye = control_frame(BYE)
+                for c in self.conns.values():
+                    try:
+                        c.sock.send(bye)
+                    except OSError:
+                        pass
+            sink = bytearray(READ_AHEAD)
+            for c in self.conns.values():
+                try:
+                    c.sock.shutdown(socket.SHUT_WR)
+                    # Unread bytes at close() would turn our FIN into a reset, which can
+                    # discard the BYE before the peer reads it: drain what has arrived.
+                    for _ in range(64):
+                        if not c.sock.recv_into(sink):
+                            break
+                except OSError:
+                    pass
+                c.sock.close()
+            self.conns = {}
+            os.close(self._st.wake_r)
+            os.close(self._st.wake_w)
+        finally:
+            if locked:
+                self._st.lock.release()
+        LIVE.discard(self)

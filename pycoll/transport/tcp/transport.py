@@ -1,0 +1,316 @@
+"""TCP transport, data path: one non-blocking socket per peer, driven by a poll loop per step.
+
+``exchange`` posts every send and receive of a schedule step and progresses them all in
+one thread until done: sends go out with ``sendmsg`` straight from tensor memory (header
+and payload as one scatter-gather call, no copy), payloads are read with ``recv_into``
+straight into their destination. Headers are parsed from a small per-connection
+read-ahead buffer (``tcp_conn.Conn``), so a small frame costs one ``recv`` call; bytes of
+a later frame that arrive early stay in that buffer for the next step. Because sends and
+receives progress together, a step where every rank sends and receives at once cannot
+deadlock on full socket buffers. Every wait has the collective's deadline.
+
+Failure handling (ABORT/BYE frames, watching idle connections, error texts, abort, sever
+and close) lives in ``tcp_failure``; ``TcpTransport`` inherits it. ``pycoll.hangdump``
+reads the locals ``self``, ``active`` and ``recvs`` of ``TcpTransport._exchange`` in this
+file from a stuck thread's stack: keep those names.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from typing import Sequence
+
+from pycoll.errors import CommError, PeerClosedError, ProtocolError
+from pycoll.transport import waits as slow_wait
+from pycoll.transport.base import (
+    InFrame,
+    OutFrame,
+    Transport,
+    check_header,
+    control_error,
+)
+from pycoll.transport.tcp.conn import IOV_BATCH, READ_AHEAD, Conn, RecvState, SendState
+from pycoll.transport.tcp.failure import (
+    ABORT_GRACE,
+    DEAD_PEER_GRACE,
+    LIVE,
+    MAX_PAD,
+    FailureHandling,
+    SharedState,
+)
+from pycoll.wire import (
+    ABORT,
+    BYE,
+    DATA,
+    control_payload_length,
+    decode_header,
+    header_length,
+)
+
+__all__ = ["TcpTransport", "Conn", "READ_AHEAD", "IOV_BATCH", "DEAD_PEER_GRACE", "ABORT_GRACE", "MAX_PAD"]
+
+_POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
+_POLLHANGUP = select.POLLRDHUP | _POLLERR
+
+
+class TcpTransport(FailureHandling, Transport):
+    name = "tcp"
+
+    def __init__(self, rank: int, world: int, socks: dict[int, socket.socket]) -> None:
+        self.rank, self.world = rank, world
+        self.conns = {peer: Conn(s, peer) for peer, s in socks.items()}
+        self.ranks = list(range(world))           # group rank of each transport rank
+        self._st = SharedState()
+        self._owner = True
+        self._cur = None  # signature of the collective being exchanged
+        LIVE.add(self)
+
+    def subset(self, ranks: list[int]) -> "TcpTransport":
+        """A transport over some of this one's ranks, renumbered 0..len-1, sharing the
+        connections (and their read-ahead) and the failure state: used for the host
+        leaders of a hierarchy. Errors still name group ranks; only the parent is closed."""
+        sub = TcpTransport.__new__(TcpTransport)
+        sub.rank, sub.world = ranks.index(self.rank), len(ranks)
+        sub.conns = {i: self.conns[r] for i, r in enumerate(ranks) if r != self.rank}
+        sub.ranks = [self.ranks[r] for r in ranks]
+        sub._st, sub._owner, sub._cur = self._st, False, None
+        return sub
+
+    @property
+    def aborted(self) -> str | None:
+        return self._st.aborted
+
+    def _g(self, r: int) -> int:
+        """The group rank of transport rank ``r`` (they differ in a subset), for messages."""
+        return self.ranks[r] if 0 <= r < len(self.ranks) else r
+
+    # -- data path ---------------------------------------------------------------------
+    def exchange(self, outs: Sequence[OutFrame], ins: Sequence[InFrame], deadline: float,
+                 what: str) -> None:
+        if self.aborted is not None:
+            raise self._aborted_error(what)
+        sends: dict[int, SendState] = {}
+        try:
+            with self._st.lock:
+                try:
+                    self._exchange(outs, ins, deadline, what, sends)
+                except CommError as exc:
+                    self._failed(exc, sends)
+                    raise
+                except BaseException as exc:
+                    self._failed(PeerClosedError(
+                        f"{what}: rank {self._g(self.rank)} was interrupted: {type(exc).__name__}: {exc}",
+                        rank=self._g(self.rank)), sends)
+                    raise
+        except CommError:
+            raise
+        except BaseException:
+            # Interrupted mid-step (KeyboardInterrupt, a failing reduction): the streams may
+            # stand mid-frame, so this transport must not be used again, and peers must know.
+            self.abort(self._st.aborted or "interrupted")
+            raise
+
+    def _exchange(self, outs, ins, deadline, what, sends) -> None:
+        for f in outs:
+            q = sends.get(f.peer)
+            if q is None:
+                q = sends[f.peer] = SendState()
+            q.bufs.append(f.header)
+            q.hdr.append(True)
+            if len(f.payload):
+                q.bufs.append(f.payload)
+                q.hdr.append(False)
+        recvs: dict[int, RecvState] = {}
+        for f in ins:
+            st = recvs.get(f.peer)
+            if st is None:
+                st = recvs[f.peer] = RecvState()
+            st.frames.append(f)
+            st.total += len(f.dest)
+        active = dict(sends)
+        if ins:
+            self._cur = ins[0].expect.sig
+        elif outs:
+            try:
+                hdr = bytes(outs[0].header)
+                self._cur = decode_header(memoryview(hdr)[4:4 + header_length(hdr[:4])]).sig
+            except (ProtocolError, ValueError):  # a damaged frame (fault injection)
+                self._cur = None
+        peeked: set[int] = set()
+        peer = -1
+        try:
+            while active or recvs:
+                progressed = False
+                for peer in list(active):
+                    progressed |= self._send_some(peer, active)
+                for peer in list(recvs):
+                    progressed |= self._recv_some(peer, recvs, what)
+                peer = -1
+                if active or recvs:
+                    if self.aborted is not None:
+                        raise self._aborted_error(what)
+                    if not progressed:
+                        self._wait(active, recvs, deadline, what, peeked)
+                    elif time.monotonic() > deadline:
+                        raise self._timeout(active, recvs, what)
+        except CommError:
+            raise
+        except EOFError:
+            conn = self.conns.get(peer)
+            if conn is not None and conn.rend > conn.rpos:  # e.g. an ABORT behind unread frames
+                self._inspect(conn, what)
+            raise self._eof_error(peer, what, recvs.get(peer)) from None
+        except OSError as exc:
+            conn = self.conns.get(peer)
+            if conn is not None:  # the peer may have left a reason before it closed
+                self._inspect(conn, what)
+            raise self._reset_error(peer, what, exc) from None
+
+    def _send_some(self, peer: int, sends: dict) -> bool:
+        q = sends[peer]
+        bufs, i, off = q.bufs, q.i, q.off
+        iov = [bufs[i][off:] if off else bufs[i]] + bufs[i + 1:i + IOV_BATCH]
+        try:
+            n = self.conns[peer].sock.sendmsg(iov)
+        except BlockingIOError:
+            return False
+        sent = n
+        while n > 0:
+            rem = len(bufs[i]) - off
+            if n >= rem:
+                n -= rem
+                i, off = i + 1, 0
+            else:
+                off += n
+                n = 0
+        q.i, q.off = i, off
+        if i == len(bufs):
+            del sends[peer]
+        return sent > 0
+
+    def _recv_some(self, peer: int, recvs: dict, what: str) -> bool:
+        st, conn = recvs[peer], self.conns[peer]
+        progressed = False
+        while True:
+            if st.cur is None:
+                if not st.frames:
+                    del recvs[peer]
+                    return True
+                avail = conn.rend - conn.rpos
+                if avail >= 4:
+                    hlen = self._header_length(conn, peer, what)
+                    if avail >= 4 + hlen:
+                        got = self._decode(conn, hlen, peer, what)
+                        if got.kind != DATA:
+                            if self._control(conn, got, hlen, peer, what):
+                                continue  # more bytes of the control frame arrived
+                            return progressed
+                        f = st.frames.popleft()
+                        check_header(f.expect, got, self._g(self.rank), self._g(peer))
+                        conn.rpos += 4 + hlen
+                        st.cur, st.off = f, 0
+                        progressed = True
+                        # Payload bytes already read ahead are copied out first.
+                        take = min(conn.rend - conn.rpos, len(f.dest))
+                        if take:
+                            f.dest[:take] = conn.rbuf[conn.rpos:conn.rpos + take]
+                            conn.rpos += take
+                            st.off = take
+                        continue
+                if conn.fill() == 0:
+                    return progressed
+                progressed = True
+                continue
+            f = st.cur
+            if st.off < len(f.dest):
+                try:
+                    n = conn.sock.recv_into(f.dest[st.off:])
+                except BlockingIOError:
+                    return progressed
+                if n == 0:
+                    conn.eof = True
+                    raise EOFError
+                st.off += n
+                progressed = True
+                if st.off < len(f.dest):
+                    continue
+            st.cur = None
+            st.done += len(f.dest)
+            if f.on_done is not None:
+                f.on_done()
+
+    def _header_length(self, conn: Conn, peer: int, what: str) -> int:
+        try:
+            return header_length(conn.rbuf[conn.rpos:conn.rpos + 4])
+        except ProtocolError as exc:
+            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got garbage from rank {self._g(peer)}: {exc}",
+                                rank=self._g(self.rank), peer=self._g(peer)) from None
+
+    def _decode(self, conn: Conn, hlen: int, peer: int, what: str):
+        try:
+            return decode_header(conn.rbuf[conn.rpos + 4:conn.rpos + 4 + hlen])
+        except ProtocolError as exc:
+            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got garbage from rank {self._g(peer)}: {exc}",
+                                rank=self._g(self.rank), peer=self._g(peer)) from None
+
+    def _control(self, conn: Conn, got, hlen: int, peer: int, what: str) -> bool:
+        """An ABORT or BYE frame where a data frame was expected: raise once it is complete.
+
+        Returns whether more of it arrived (False: wait for the socket)."""
+        if got.kind not in (ABORT, BYE):
+            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got a frame of unknown kind {got.kind} "
+                                f"from rank {self._g(peer)}", rank=self._g(self.rank), peer=self._g(peer))
+        try:
+            plen = control_payload_length(got)
+        except ProtocolError as exc:
+            raise ProtocolError(f"{what}: rank {self._g(peer)}: {exc}", rank=self._g(self.rank), peer=self._g(peer)) from None
+        start = conn.rpos + 4 + hlen
+        if conn.rend - start >= plen or conn.eof:
+            payload = bytes(conn.rbuf[start:min(conn.rend, start + plen)])
+            raise control_error(got, payload, self._g(self.rank), self._g(peer), what)
+        try:
+            return conn.fill() > 0
+        except EOFError:
+            return True
+
+    def _wait(self, sends: dict, recvs: dict, deadline: float, what: str, peeked: set) -> None:
+        now = time.monotonic()
+        left = deadline - now
+        if left <= 0:
+            raise self._timeout(sends, recvs, what)
+        poller = select.poll()
+        poller.register(self._st.wake_r, select.POLLIN)
+        idle: dict[int, Conn] = {}
+        wake = min(left, 1.0, slow_wait.due(now))
+        for peer, conn in self.conns.items():
+            mask = (select.POLLOUT if peer in sends else 0) | (select.POLLIN if peer in recvs else 0)
+            if peer not in recvs:
+                if conn.eof_at:
+                    wake = min(wake, max(0.0, conn.eof_at + DEAD_PEER_GRACE - now))
+                elif conn.watch:
+                    mask |= select.POLLRDHUP | (0 if peer in peeked else select.POLLIN)
+                    idle[conn.fd] = conn
+            if mask:
+                poller.register(conn.fd, mask)
+        try:
+            events = poller.poll(wake * 1000)
+        except InterruptedError:
+            events = []
+        if self.aborted is not None:
+            raise self._aborted_error(what)
+        for fd, ev in events:
+            conn = idle.get(fd)
+            if conn is None:
+                continue
+            if ev & _POLLHANGUP:
+                self._inspect(conn, what)
+            elif ev & select.POLLIN:
+                peeked.add(conn.peer)
+                self._peek(conn, what)
+        now = time.monotonic()
+        for peer, conn in self.conns.items():
+            if conn.eof_at and peer not in recvs and now >= conn.eof_at + DEAD_PEER_GRACE:
+                raise self._eof_error(peer, what, None)
+

@@ -51,7 +51,7 @@ class DistributedDataParallel(Module, Joinable):
         named_params = list(module.named_parameters())  # tied parameters appear once
         named_buffers = list(module.named_buffers())
         verify_same_model(named_params + named_buffers, self.process_group)
-        broadcast_tensors(self._state_tensors(), 0, self.process_group)
+        broadcast_tensors(self.state_tensors(), 0, self.process_group)
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise RuntimeError("DistributedDataParallel is not needed for a module with no "
@@ -64,7 +64,7 @@ class DistributedDataParallel(Module, Joinable):
         # sync="solo"|"majority": eager-SGD partial all-reduce (partial_sync.py); None for "full"
         self.partial = attach_partial(self, sync, max_staleness, activation_delay=activation_delay)
 
-    def _state_tensors(self) -> list[torch.Tensor]:
+    def state_tensors(self) -> list[torch.Tensor]:
         return [p.detach() for p in self.module.parameters()] + list(self.module.buffers())
 
     # ---- forward --------------------------------------------------------------------
@@ -81,12 +81,12 @@ class DistributedDataParallel(Module, Joinable):
             src = active[0]  # rank 0 may have joined: the lowest rank still training
         if notified is not None:
             notified.wait()
-        self._sync_buffers(src)
+        self.sync_buffers(src)
         outputs = self.module(*inputs, **kwargs)
         self.reducer.prepare_for_backward(outputs, sync, divisor)
         return outputs
 
-    def _sync_buffers(self, src: int) -> None:
+    def sync_buffers(self, src: int) -> None:
         if self._buffer_sync:
             self._buffer_sync.broadcast(src, self.rank, self.process_group)
 

@@ -12,19 +12,15 @@ everyone, since joined ranks stopped stepping their optimisers.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, JoinHook
+from torch.nn import Module
 
 from .sync import broadcast_tensors
 
-if TYPE_CHECKING:
-    from .distributed import DistributedDataParallel
 
-
-def exchange_join_state(ddp: "DistributedDataParallel", active: bool, sync: bool) -> tuple[list[int], int]:
+def exchange_join_state(ddp: Module, active: bool, sync: bool) -> tuple[list[int], int]:
     """One all-reduce: which ranks still train, and how many of them synchronise."""
     state = torch.zeros(ddp.world_size + 1, dtype=torch.int64)
     if active:
@@ -36,14 +32,14 @@ def exchange_join_state(ddp: "DistributedDataParallel", active: bool, sync: bool
 
 
 class DDPJoinHook(JoinHook):
-    def __init__(self, ddp: "DistributedDataParallel") -> None:
+    def __init__(self, ddp: Module) -> None:
         self.ddp = ddp
 
     def main_hook(self) -> None:
         ddp = self.ddp
         ddp.reducer.rebuild_if_pending()
         active, syncing = exchange_join_state(ddp, active=False, sync=False)
-        ddp._sync_buffers(src=active[0] if active else 0)
+        ddp.sync_buffers(src=active[0] if active else 0)
         if syncing:
             ddp.reducer.shadow_backward()
 
@@ -53,13 +49,13 @@ class DDPJoinHook(JoinHook):
         last[ddp.rank] = int(is_last_joiner)
         dist.all_reduce(last, group=ddp.process_group)
         src = int(last.nonzero()[0].item())
-        broadcast_tensors(ddp._state_tensors(), src, ddp.process_group)
+        broadcast_tensors(ddp.state_tensors(), src, ddp.process_group)
 
 
 class JoinContext:
     """``with ddp.join():`` — torch's Join for this model, switched off again on exit."""
 
-    def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool,
+    def __init__(self, ddp: Module, divide_by_initial_world_size: bool,
                  enable: bool, throw_on_early_termination: bool) -> None:
         self._ddp = ddp
         self._join = Join([ddp], enable=enable, throw_on_early_termination=throw_on_early_termination,

@@ -21,14 +21,12 @@ all-reduce per step) and broadcasting buffers every forward (pass ``broadcast_bu
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import torch
+from torch.nn import Module
 
 from pycoll.partial import PartialAllReduce, RoundInfo, RoundResult
-
-if TYPE_CHECKING:
-    from .distributed import DistributedDataParallel
 
 SYNC_MODES = ("full", "solo", "majority")
 
@@ -126,7 +124,7 @@ class PartialSync:
         self.allreduce.close()
 
 
-def attach(model: "DistributedDataParallel", sync: str, max_staleness: int, seed: int = 0,
+def attach(model: Module, sync: str, max_staleness: int, seed: int = 0,
            activation_delay: float = 0.01) -> PartialSync | None:
     """Validate ``sync`` and, for a partial mode, register the partial hook on ``model``."""
     if sync not in SYNC_MODES:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pycoll.c10d import torch_compat
+from pycoll import torch_compat
 from pycoll.c10d.backend import ProcessGroupPycoll, create
-from pycoll.c10d.work import Work
+from pycoll.core.work import Work
 from pycoll.cuda.paths import backend_devices
 from pycoll.errors import (
     AuthenticationError,
@@ -59,10 +59,10 @@ def set_algorithm(collective: str, name: str, group=None) -> None:
 
     algorithms.get(collective, name)  # ValueError listing the valid names
     pg = group if group is not None else torch_compat.default_group()
-    pg._comm.tuner.overrides[collective] = name
+    pg.communicator.tuner.overrides[collective] = name
 
 
 _register()
 
 __all__ = ["ProcessGroupPycoll", "PycollError", "CommError", "CommTimeoutError", "PeerClosedError",
-           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "set_algorithm", "stats", "BACKEND_NAME"]
+           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "set_algorithm", "stats", "PartialAllReduce", "BACKEND_NAME"]

@@ -100,8 +100,6 @@ def local_address() -> str:
         return addr
     ifname = os.environ.get("PYCOLL_SOCKET_IFNAME")
     if ifname:
-        from pycoll.transport.tcp.mesh import interface_address
-
         return interface_address(ifname)
     master = os.environ.get("MASTER_ADDR")
     if master and master not in ("localhost", "127.0.0.1", "::1"):
@@ -140,3 +138,19 @@ def exchange_all(store, key: str, rank: int, world: int, value: str) -> list[str
     """Every rank publishes ``value``; returns all ranks' values in rank order."""
     store.set(f"{key}/{rank}", value)
     return [value if r == rank else store.get(f"{key}/{r}").decode() for r in range(world)]
+
+
+def interface_address(ifname: str) -> str:
+    """IPv4 address of a network interface (PYCOLL_SOCKET_IFNAME)."""
+    import fcntl
+    import struct
+
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
+    except OSError as exc:
+        raise ValueError(f"PYCOLL_SOCKET_IFNAME={ifname}: no IPv4 address ({exc})") from None
+    finally:
+        s.close()
+    return socket.inet_ntoa(packed[20:24])
+

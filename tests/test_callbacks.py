@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pycoll.core import callbacks
+from pycoll import callbacks
 from tests.harness import run_ranks
 
 pytestmark = [pytest.mark.timeout(120),

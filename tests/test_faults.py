@@ -299,7 +299,7 @@ def _mode_and_time(rank, world, n, numel):
         t.fill_(rank + 1)
         dist.all_reduce(t)
         assert t.eq(world * (world + 1) / 2).all()
-    return dist.distributed_c10d._get_default_group()._comm.mode, time.time() - t0
+    return dist.distributed_c10d._get_default_group().communicator.mode, time.time() - t0
 
 
 @pytest.mark.parametrize("path", list(PATHS))

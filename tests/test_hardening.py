@@ -141,7 +141,7 @@ def test_a_timeout_of_thirty_days_works(transport):
 def _overflow_unexpected(rank, world):
     pg = dist.distributed_c10d._get_default_group()
     if rank == 1:
-        pg._comm.p2p.max_unexpected = 1 << 10
+        pg.communicator.p2p.max_unexpected = 1 << 10
     dist.barrier()
     t0 = time.monotonic()
     try:

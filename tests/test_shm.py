@@ -31,7 +31,7 @@ def _segments_after_init(rank, world):
     pg = dist.distributed_c10d._get_default_group()
     t = torch.ones(10)
     dist.all_reduce(t)
-    return pg._comm.mode, os.getpid(), _my_segments(os.getpid())
+    return pg.communicator.mode, os.getpid(), _my_segments(os.getpid())
 
 
 def test_segment_is_unlinked_once_mapped():

@@ -45,7 +45,7 @@ def _ddp_step(rank, world):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     pg = dist.distributed_c10d._get_default_group()
-    assert pg._comm.tracer is not None and pg._comm.executor.tracer is not None
+    assert pg.communicator.observers.after_op is not None and pg.communicator.executor.on_step is not None
     torch.manual_seed(0)
     model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -109,9 +109,9 @@ def test_ddp_step_trace_is_valid_chrome_json(tmp_path, mode):
 # -- tracing off, clock estimate, debug logging -------------------------------------------------------
 
 def _hooks_off(rank, world):
-    comm = dist.distributed_c10d._get_default_group()._comm
+    comm = dist.distributed_c10d._get_default_group().communicator
     dist.all_reduce(torch.ones(4))
-    return [comm.tracer, comm.executor.tracer, len(comm.arrivals)]
+    return [comm.observers.after_op, comm.executor.on_step, len(comm.arrivals)]
 
 
 def test_tracing_off_installs_no_hook():
@@ -120,7 +120,9 @@ def test_tracing_off_installs_no_hook():
 
 
 def _clock(rank, world):
-    return dist.distributed_c10d._get_default_group()._comm.clock
+    from pycoll.observe.clock import offset_of
+
+    return offset_of(dist.distributed_c10d._get_default_group().communicator)   # measured at init
 
 
 def test_clock_offset_estimate_within_its_bound(tmp_path):

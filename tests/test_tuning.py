@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import pycoll
-from pycoll.core.communicator import choose_mode
+from pycoll.core.setup import choose_mode
 from pycoll.core.tuner import RULES, Tuner, parse_overrides
 from tests.harness import run_ranks
 
@@ -49,8 +49,8 @@ def _per_group(rank, world):
     pycoll.set_algorithm("all_reduce", "tree", group=sub)
     t = torch.arange(1000, dtype=torch.float64) * (rank + 1)
     dist.all_reduce(t, group=sub)
-    default_algo = dist.distributed_c10d._get_default_group()._comm.tuner.choose("all_reduce", 8000)
-    return sub._comm.tuner.choose("all_reduce", 8000), default_algo, bool(
+    default_algo = dist.distributed_c10d._get_default_group().communicator.tuner.choose("all_reduce", 8000)
+    return sub.communicator.tuner.choose("all_reduce", 8000), default_algo, bool(
         (t == torch.arange(1000, dtype=torch.float64) * 6).all())
 
 

@@ -554,7 +554,7 @@ def _algo_run(rank: int, world: int, expect: str) -> dict:
     from pycoll.core.tuner import parse_overrides
 
     pg = dist.distributed_c10d._get_default_group()
-    comm = getattr(pg, "_comm", None)
+    comm = getattr(pg, "communicator", None)
     fails = []
     if comm is not None and comm.tuner.overrides != parse_overrides(expect):
         fails.append(f"rank {rank}: PYCOLL_ALGO not applied: {comm.tuner.overrides}")
@@ -583,7 +583,7 @@ def test_hierarchical_vs_gloo(world, hosts):
 
 
 def _hier_run(rank: int, world: int) -> dict:
-    comm = dist.distributed_c10d._get_default_group()._comm
+    comm = dist.distributed_c10d._get_default_group().communicator
     fails = [] if comm.mode == "hierarchical" and len(comm.leaders) == 2 else [
         f"rank {rank}: mode {comm.mode}, leaders {comm.leaders}"]
     r1 = _area(rank, world, "reductions", False)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pycoll.c10d.torch_compat import all_gather_single as _all_gather
-from pycoll.c10d.torch_compat import reduce_scatter_single as _reduce_scatter
+from pycoll.torch_compat import all_gather_single as _all_gather
+from pycoll.torch_compat import reduce_scatter_single as _reduce_scatter
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "prod": dist.ReduceOp.PRODUCT,
               "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pycoll import rendezvous
+from pycoll import observe, rendezvous
 from pycoll.c10d import sparse
 from pycoll.c10d.p2p import PointToPoint
 from pycoll.c10d.plans import (
@@ -31,10 +31,10 @@ from pycoll.c10d.plans import (
     same_dtype,
     unflatten_into,
 )
-from pycoll.c10d.work import Work, completed
 from pycoll.core import collectives as C
 from pycoll.core.communicator import Communicator
 from pycoll.core.reductions import make_reduction
+from pycoll.core.work import Work, completed
 from pycoll.cuda.dispatch import install as _install_cuda_dispatch
 from pycoll.cuda.paths import backend_devices
 
@@ -54,8 +54,13 @@ class ProcessGroupPycoll(PointToPoint, dist.ProcessGroup):
         self._timeout = timeout
         # This generation's keys only; CUDA calls and splits exchange their set-up through it.
         self._store = store = rendezvous.generation_store(store, rank)
-        self._comm = Communicator(store, rank, size, timeout.total_seconds())
+        self._comm = Communicator(store, rank, size, timeout.total_seconds(), observers=observe.for_group(rank))
         self._mb_count = 0
+
+    @property
+    def communicator(self) -> Communicator:
+        """The engine of this group (``pycoll.core.communicator``)."""
+        return self._comm
 
     # -- identity ----------------------------------------------------------------------
     is_pycoll = True   # how torch_compat's wrappers tell a pycoll group from others

@@ -10,14 +10,14 @@ import time
 
 import torch
 
-from pycoll.c10d.work import completed
 from pycoll.core.executor import byte_view
+from pycoll.core.work import completed
 from pycoll.errors import CommTimeoutError, PycollError
 
 
 def monitored_barrier(pg, tag: int, timeout, wait_all_ranks: bool):
     """``timeout``: the barrier's own (a timedelta or seconds; 0 is zero time, not unset)."""
-    rank, world, eng = pg.rank(), pg.size(), pg._comm.p2p
+    rank, world, eng = pg.rank(), pg.size(), pg.communicator.p2p
     seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
     ms = round(seconds * 1000)
     deadline = time.monotonic() + seconds

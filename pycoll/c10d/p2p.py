@@ -15,9 +15,9 @@ import time
 import torch
 
 from pycoll.c10d.plans import check_tensors, flat_in, flat_out
-from pycoll.c10d.work import Work
 from pycoll.core import collectives as C
 from pycoll.core.executor import byte_view
+from pycoll.core.work import Work
 from pycoll.errors import CommTimeoutError
 from pycoll.transport.p2p import ANY
 

@@ -11,8 +11,8 @@ from typing import Callable
 
 import torch
 
-from pycoll.c10d.torch_compat import has_internal_overlap
 from pycoll.core.reductions import SUPPORTED_DTYPES
+from pycoll.torch_compat import has_internal_overlap
 
 _STRIDED = torch.strided
 CUDA_HINT = ("CUDA tensors need pycoll's CUDA support: install the extra with "

@@ -56,7 +56,7 @@ def _reduce(dist, torch, rank, world):
 
 @check("all_gather_single")
 def _all_gather(dist, torch, rank, world):
-    from pycoll.c10d.torch_compat import all_gather_single
+    from pycoll.torch_compat import all_gather_single
     out = torch.empty(world * 3, dtype=torch.int32)
     all_gather_single(out, torch.full((3,), rank, dtype=torch.int32))
     return out.tolist() == [r for r in range(world) for _ in range(3)]
@@ -64,7 +64,7 @@ def _all_gather(dist, torch, rank, world):
 
 @check("reduce_scatter_single")
 def _reduce_scatter(dist, torch, rank, world):
-    from pycoll.c10d.torch_compat import reduce_scatter_single
+    from pycoll.torch_compat import reduce_scatter_single
     out = torch.empty(4)
     reduce_scatter_single(out, torch.arange(4 * world, dtype=torch.float32))
     return out.tolist() == [float(world * (4 * rank + i)) for i in range(4)]

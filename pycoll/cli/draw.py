@@ -31,6 +31,7 @@ from pycoll.algorithms.schedule import (
     Schedule,
     Send,
 )
+from pycoll.cli.draw_state import rng
 
 ROOTED = ("broadcast", "reduce", "gather", "scatter")
 PER_BLOCK = ("all_gather", "gather", "scatter", "reduce_scatter", "all_to_all")  # count = one block
@@ -106,21 +107,6 @@ def _ranges(a) -> list[tuple[str, int, int]]:
     if isinstance(a, (Copy, Reduce)):
         return [(a.src, a.src_start, a.count), (a.dst, a.dst_start, a.count)]
     return [(a.buf, a.start, a.count)]
-
-
-def rng(buf: str, start: int, count: int) -> str:
-    return f"{buf}[{start}:{start + count})"
-
-
-def describe(a, rank: int | None = None) -> str:
-    """One action in a few characters: ``→r1 out[0:2)``, ``←r3 out[2:4) +=``, ``copy ...``."""
-    if isinstance(a, Send):
-        return f"→r{a.peer} {rng(a.buf, a.start, a.count)}"
-    if isinstance(a, (Recv, RecvReduce)):
-        return f"←r{a.peer} {rng(a.buf, a.start, a.count)}" + (" +=" if isinstance(a, RecvReduce) else "")
-    op = "copy" if isinstance(a, Copy) else "+="
-    src, dst = rng(a.src, a.src_start, a.count), rng(a.dst, a.dst_start, a.count)
-    return f"{src}→{dst}" if op == "copy" else f"{dst} += {src}"
 
 
 # ---------------------------------------------------------------- building schedules

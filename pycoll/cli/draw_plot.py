@@ -44,8 +44,7 @@ def render(tl, path, columns: int = 7, dpi: int = 100) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-    from pycoll.cli.draw import describe
-    from pycoll.cli.draw_state import label, simulate
+    from pycoll.cli.draw_state import action_label, label, simulate
 
     states, verdict = simulate(tl)
     bufs = tl.buffers() or {"out": 1}  # a barrier moves headers only: one box per rank
@@ -60,7 +59,7 @@ def render(tl, path, columns: int = 7, dpi: int = 100) -> None:
     bar_w = min(max(1.25 * longest, 5.3), 14.0)
     X_BAR1 = X_BAR0 + bar_w
     X_TEXT = X_BAR1 + 0.4
-    longest_line = max((len(describe(a)) for v in per_cell.values() for a in v), default=0)
+    longest_line = max((len(action_label(a)) for v in per_cell.values() for a in v), default=0)
     W = X_TEXT + 0.29 * longest_line + 0.6
     H = max(len(names) * (BAR_H + BAR_GAP) + 1.6, lines * LINE + 1.2, 3.2)
     n_rounds = max(tl.n_rounds, 1)
@@ -162,7 +161,7 @@ def render(tl, path, columns: int = 7, dpi: int = 100) -> None:
                     _mark(ax, r, rd, a.src, a.src_start, a.count, None, COLORS[k], bar_y, range_x)
                     _mark(ax, r, rd, a.dst, a.dst_start, a.count, COLORS[k], None, bar_y, range_x)
             for i, a in enumerate(acts):
-                line, ty = describe(a), y - 0.45 - i * LINE
+                line, ty = action_label(a), y - 0.45 - i * LINE
                 ax.text(x + X_TEXT, ty, line, fontsize=7, family="monospace", va="top",
                         color=COLORS[_kind(a)])
                 texts.append((x + X_TEXT + 0.14 * len(line), ty - LINE / 2, 0.14 * len(line),

@@ -13,12 +13,28 @@ from __future__ import annotations
 
 from pycoll.algorithms.schedule import Copy, Recv, RecvReduce, Reduce, Send
 
+
+def rng(buf: str, start: int, count: int) -> str:
+    return f"{buf}[{start}:{start + count})"
+
+
+def action_label(a) -> str:
+    """One action in a few characters: ``→r1 out[0:2)``, ``←r3 out[2:4) +=``, ``copy ...``."""
+    if isinstance(a, Send):
+        return f"→r{a.peer} {rng(a.buf, a.start, a.count)}"
+    if isinstance(a, (Recv, RecvReduce)):
+        return f"←r{a.peer} {rng(a.buf, a.start, a.count)}" + (" +=" if isinstance(a, RecvReduce) else "")
+    op = "copy" if isinstance(a, Copy) else "+="
+    src, dst = rng(a.src, a.src_start, a.count), rng(a.dst, a.dst_start, a.count)
+    return f"{src}→{dst}" if op == "copy" else f"{dst} += {src}"
+
+
 REDUCING = ("all_reduce", "reduce", "reduce_scatter")
 IN_PLACE = ("all_reduce", "broadcast", "reduce")
 
 
 def _initial(tl, rank: int, sizes: dict[str, int]) -> dict[str, list]:
-    c, n, P = tl.collective, tl.count, tl.world
+    c, n = tl.collective, tl.count
     st = {b: [None] * size for b, size in sizes.items()}
     if c in IN_PLACE:
         st["in"] = st["out"] = [None] * max(sizes.get("in", 0), sizes.get("out", 0))

@@ -21,27 +21,22 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
-import torch.distributed as dist
 
-from pycoll import algorithms, rendezvous
-from pycoll.c10d import torch_compat
-from pycoll.c10d.work import Work, finished
-from pycoll.core import callbacks
-from pycoll.core.executor import DEFAULT_SEGMENT_BYTES, Executor
+from pycoll import algorithms, callbacks, torch_compat
+from pycoll.core import setup
+from pycoll.core.observer import Observer, Observers
 from pycoll.core.tuner import Tuner
+from pycoll.core.work import Work, finished
 from pycoll.errors import CommTimeoutError, PycollError, root_cause
-from pycoll.observe import faults, hangdump, stragglers, trace
 from pycoll.transport.p2p import P2PEngine
-from pycoll.transport.shm.arena import ShmArena
-from pycoll.transport.tcp.mesh import build_mesh
-from pycoll.transport.tcp.transport import TcpTransport
 
 log = logging.getLogger("pycoll")
 
 Task = Callable[[int, float], None]  # fn(seq, deadline)
+ARRIVALS_WINDOW = max(1, int(os.environ.get("PYCOLL_STATS_WINDOW", 1024)))
 _grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch_compat.set_grad_enabled
 
 
@@ -51,52 +46,26 @@ def cached_schedule(collective: str, algo: str, rank: int, world: int, *args):
     return algorithms.get(collective, algo)(rank, world, *args)
 
 
-MODES = ("auto", "tcp", "shm", "hierarchical")
-
-
-def choose_mode(requested: str, hosts: list[str]) -> str:
-    """PYCOLL_TRANSPORT -> the path this group takes, given each rank's host identity."""
-    requested = requested.lower()
-    if requested not in MODES:
-        raise ValueError(f"PYCOLL_TRANSPORT={requested!r}: choose one of {', '.join(MODES)}")
-    n_hosts = len(set(hosts))
-    if requested == "shm" and n_hosts > 1:
-        raise ValueError(f"PYCOLL_TRANSPORT=shm needs all ranks on one host; they span {n_hosts} hosts")
-    if requested != "auto":
-        return requested
-    if len(hosts) == 1:
-        return "tcp"
-    if n_hosts == 1:
-        return "shm"
-    return "hierarchical" if n_hosts < len(hosts) else "tcp"
-
-
 class Communicator:
+    """One rank of one group. ``observers``: what watches it (``core.observer``)."""
+
     def __init__(self, store, rank: int, world: int, timeout: float, *,
-                 algo_overrides: dict[str, str] | None = None) -> None:
+                 observers: Sequence[Observer] = (), algo_overrides: dict[str, str] | None = None) -> None:
         self.rank, self.world, self.timeout = rank, world, timeout
-        global_rank = dist.get_rank() if dist.is_initialized() else rank
-        hosts = rendezvous.exchange_all(store, "pycoll/host", rank, world,
-                                        rendezvous.host_identity(global_rank))
-        self.mode = choose_mode(os.environ.get("PYCOLL_TRANSPORT", "auto"), hosts)
-        coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
-        self.tcp = TcpTransport(rank, world, coll_socks)
-        # PYCOLL_FAULT (docs/faults.md): this rank's injector, None (and free) when unset.
-        self.faults = faults.injector(rank)
-        self.transport = faults.wrap(self.tcp, self.faults)
-        self._before_op = self.faults.before_op if self.faults is not None else None
-        self.arena: ShmArena | None = None
-        self.leaders: list[int] = []
-        self.leader_executor: Executor | None = None
-        self.executor_segment = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
-        self.executor = Executor(self.transport, self.executor_segment)
-        if self.mode != "tcp":
-            self._init_shared_memory(store, hosts, timeout)
-        if self.faults is not None:
-            self.faults.sever = self._sever
+        self.observers = obs = Observers(observers)
+        w = setup.wire(store, rank, world, timeout, obs.transport)
+        self.mode, self.tcp, self.transport, self.executor = w.mode, w.tcp, w.transport, w.executor
+        self.arena, self.local_ranks, self.host_of = w.arena, w.local_ranks, w.host_of
+        self.leaders, self.leader_executor = w.leaders, w.leader_executor
+        self.executor.on_step = obs.step
+        if self.leader_executor is not None:
+            self.leader_executor.on_step = obs.step
+        if self.arena is not None:
+            self.arena.barrier_begins, self.arena.on_barrier = obs.barrier_begins, obs.barrier
+        self._before_op, self._after_op, self._failed = obs.before_op, obs.after_op, obs.failed
         # User callbacks of futures that pycoll's own threads complete run here (callbacks.py).
         self.runner = callbacks.Runner(f"pycoll-callbacks-{rank}")
-        self.p2p = P2PEngine(rank, world, p2p_socks, self.runner)
+        self.p2p = P2PEngine(rank, world, w.p2p_socks, self.runner)
         self.tuner = Tuner(world, algo_overrides)
         self.error: BaseException | None = None
         self._seq = 0
@@ -108,29 +77,15 @@ class Communicator:
         self._waiting = 0
         self._closed = False
         self._shut = False
+        # What this rank runs now (op, seq, start), for snapshot(); every op's (seq, op,
+        # start, end), for pycoll.stats (docs/observability.md).
+        self.current: tuple[str, int, float] | None = None
+        self.arrivals: deque = deque(maxlen=ARRIVALS_WINDOW)
         self._worker = callbacks.start_thread(self._work_loop, self.fail, f"pycoll-worker-{rank}",
                                               self.runner)
-        # Observability (docs/observability.md): per-op state for describe_pending, every
-        # rank's arrivals for pycoll.stats, and the PYCOLL_TRACE / PYCOLL_DEBUG hook.
-        self.current: tuple[str, int, float] | None = None
-        self.arrivals: deque = deque(maxlen=stragglers.WINDOW)
-        self.tracer = None
-        trace.attach(self)
         _LIVE.add(self)
-
-    def _init_shared_memory(self, store, hosts: list[str], timeout: float) -> None:
-        """Map this host's arena; in hierarchical mode also the leaders' TCP sub-transport."""
-        order = list(dict.fromkeys(hosts))           # hosts in order of their lowest rank
-        local = [r for r in range(self.world) if hosts[r] == hosts[self.rank]]
-        self.arena = ShmArena(store, f"pycoll/shm/{order.index(hosts[self.rank])}", local.index(self.rank),
-                              len(local), local, timeout)
-        self.local_ranks = local
-        self.host_of = [order.index(h) for h in hosts]
-        self.leaders = [next(r for r in range(self.world) if hosts[r] == h) for h in order]
-        self.arena.fault = self.faults
-        if self.mode == "hierarchical" and self.rank in self.leaders:
-            sub = faults.wrap(self.tcp.subset(self.leaders), self.faults)
-            self.leader_executor = Executor(sub, self.executor_segment)
+        if obs.started is not None:
+            obs.started(self)
 
     # -- submission and execution -----------------------------------------------------
     def submit(self, op: str, outputs: list, task: Task, inline: bool,
@@ -223,7 +178,8 @@ class Communicator:
         except BaseException as exc:  # noqa: BLE001 - delivered to the waiter
             if isinstance(exc, CommTimeoutError) and exc.timeout_s is None:
                 exc.timeout_s = limit
-            hangdump.on_failure(self, exc)
+            if self._failed is not None:
+                self._failed(self, exc)
             self.current = None
             # Arguments were validated before submission, so any failure here happened
             # mid-collective: peers may be waiting for frames that will never come. The
@@ -240,8 +196,8 @@ class Communicator:
         t1 = time.monotonic()
         self.arrivals.append((seq, op, t0, t1))
         self.current = None
-        if self.tracer is not None:
-            self.tracer(("op", op, seq, t0, t1, self.mode))
+        if self._after_op is not None:
+            self._after_op(op, seq, t0, t1, self.mode)
         return None
 
     def fail(self, exc: BaseException) -> None:
@@ -278,9 +234,16 @@ class Communicator:
         sched = cached_schedule(collective, algo, rank, world, *args)
         executor.run(sched, bufs, sig, reduction, deadline)
 
-    def describe_pending(self) -> str:
-        """What this rank waits for now: collective, sequence, step, peer, bytes done of total."""
-        return hangdump.describe(self)
+    def snapshot(self, live: bool = True) -> dict:
+        """What this rank is doing now, for the hang dump (``observe.hangdump``): the op, what
+        is queued, each executor's schedule step and the TCP progress of it (``live``), the
+        shared-memory barrier state, the point-to-point requests still pending."""
+        execs = [ex for ex in (self.executor, self.leader_executor) if ex is not None]
+        return {"rank": self.rank, "world": self.world, "mode": self.mode, "closed": self._closed,
+                "current": self.current, "queued": len(self._queue),
+                "schedules": [p for p in (ex.progress(live) for ex in execs) if p is not None],
+                "shm": self.arena.progress() if self.arena is not None else None,
+                "p2p": self.p2p.pending()}
 
     # -- lifecycle -------------------------------------------------------------------
     def shutdown(self, abort: bool = False, reason: str = "aborted by the user") -> None:
@@ -307,14 +270,18 @@ class Communicator:
             what = f"{op[0]} seq {op[1]}" if op else "an operation"
             self._abort_transports(f"process group destroyed while {what} was running")
             self._wait_idle(5.0)
-        trace.detach(self, abort)
+        if self.observers.closing is not None:
+            try:
+                self.observers.closing(self, abort)
+            except Exception:  # noqa: BLE001 - an observer must not stop the release
+                log.exception("pycoll rank %d: an observer failed at destroy", self.rank)
         self.p2p.close()
         self.transport.close()
         if self.arena is not None:
             self.arena.close()
         self.runner.close()
 
-    def _sever(self, reason: str) -> None:
+    def sever(self, reason: str) -> None:
         """Drop every connection without a word (fault injection: what a crash looks like)."""
         self.transport.sever(reason)
         if self.arena is not None:

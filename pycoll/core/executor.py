@@ -42,9 +42,9 @@ class Executor:
         self.transport = transport
         self.segment_bytes = max(64, segment_bytes)
         self._scratch: dict[int, torch.Tensor] = {}  # peer -> uint8 scratch, reused
-        self.tracer = None   # PYCOLL_TRACE / PYCOLL_DEBUG hook (pycoll/trace.py); None: off
+        self.on_step = None  # observer hook after each step (core/observer.py); None: nobody watches
         self.current = None  # (schedule, signature, itemsize) of the run in progress, and
-        self.step = -1       # its step index: read by describe_pending (pycoll/hangdump.py)
+        self.step = -1       # its step index: see progress()
 
     def _scratch_for(self, peer: int, nbytes: int) -> torch.Tensor:
         buf = self._scratch.get(peer)
@@ -71,7 +71,7 @@ class Executor:
         # differ between peers, while per-pair message order is what schedules agree on.
         n_sent: dict[int, int] = {}
         n_recv: dict[int, int] = {}
-        self.current, tracer = (sched, sig, isz), self.tracer
+        self.current, tracer = (sched, sig, isz), self.on_step
         t = time.monotonic() if tracer is not None else 0.0
         for i, step in enumerate(sched.steps):
             self.step = i
@@ -105,6 +105,18 @@ class Executor:
                 t = _trace(tracer, sig, sched.name, i, step, isz, t)
         self.current = None
 
+    def progress(self, live: bool = True) -> tuple | None:
+        """The run in progress, for the hang dump: (schedule, signature, itemsize, step index,
+        the transport's account of the step or None, the group rank of each schedule rank);
+        None when idle."""
+        cur = self.current
+        if cur is None:
+            return None
+        t = self.transport
+        progress = getattr(t, "progress", None) if live else None
+        return (*cur, self.step, progress() if progress is not None else None,
+                list(getattr(t, "ranks", range(t.world))))
+
     @staticmethod
     def _local(step, bufs, reduction) -> None:
         for a in step:
@@ -128,10 +140,11 @@ class _LazyViews(dict):
         return view
 
 
-def _trace(tracer, sig: Signature, algo: str, i: int, step, isz: int, t0: float) -> float:
-    """Record one step; a step starts where the previous one ended (one clock read per step)."""
+def _trace(on_step, sig: Signature, algo: str, i: int, step, isz: int, t0: float) -> float:
+    """Tell the observers of one step; a step starts where the previous one ended (one clock
+    read per step)."""
     t = time.monotonic()
-    tracer(("step", sig, algo, i, step, isz, t0, t))
+    on_step(sig, algo, i, step, isz, t0, t)
     return t
 
 

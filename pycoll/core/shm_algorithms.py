@@ -105,26 +105,26 @@ def _rounds(n: int, cap: int):
 class _Barriers:
     """The first barrier of a collective also checks everyone's signature."""
 
-    __slots__ = ("arena", "words", "deadline", "what", "first", "round0", "tracer", "count", "t")
+    __slots__ = ("arena", "words", "deadline", "what", "first", "round0", "on_barrier", "count", "t")
 
     def __init__(self, arena: ShmArena, words: tuple[int, ...], deadline: float, what: str) -> None:
         self.arena, self.words, self.deadline, self.what = arena, words, deadline, what
         self.first = True
         arena.publish(words)
-        arena.pending, self.round0, self.tracer = self, arena.rounds, arena.tracer
-        if self.tracer is not None:
+        arena.pending, self.round0, self.on_barrier = self, arena.rounds, arena.on_barrier
+        if self.on_barrier is not None:
             self.count, self.t = 0, time.monotonic()
 
     def __call__(self) -> None:
-        if self.tracer is not None:
-            return self._traced()
+        if self.on_barrier is not None:
+            return self._observed()
         self.arena.sync(self.deadline, self.what)
         if self.first:
             self.first = False
             self.arena.check_signatures(self.words, describe)
 
-    def _traced(self) -> None:
-        """A barrier, recorded with the copy/reduce phase before it (PYCOLL_TRACE)."""
+    def _observed(self) -> None:
+        """A barrier, told to the observers with the copy/reduce phase before it."""
         a, t0 = self.arena, time.monotonic()
         a.sync(self.deadline, self.what)
         if self.first:
@@ -133,8 +133,8 @@ class _Barriers:
         t1 = time.monotonic()
         self.count += 1
         rnd = a.rounds - self.round0
-        self.tracer(("shm", self.words, self.count, rnd, round_bytes(self.words, rnd, a.slot_bytes, a.size),
-                     self.t, t0, t1))
+        self.on_barrier(self.words, self.count, rnd, round_bytes(self.words, rnd, a.slot_bytes, a.size),
+                        self.t, t0, t1)
         self.t = t1
 
 

@@ -23,8 +23,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from pycoll.c10d.work import chained_future, settle_source
-from pycoll.core import callbacks
+from pycoll import callbacks
+from pycoll.core.work import chained_future, settle_source
 from pycoll.errors import CommTimeoutError
 
 _POLL = 0.0005

@@ -8,13 +8,13 @@ separated by ``:``::
     PYCOLL_FAULT="rank=2:op=all_reduce:seq=3:kill_at_step=5"   # SIGKILL at step 5 of that op
     PYCOLL_FAULT="rank=1:drop_at_seq=4"                   # drop every connection at op seq 4
 
-One ``Injector`` per rank holds its faults and where the current operation is (op, seq,
-step). A *step* is one unit of an operation on whatever path it takes: one ``exchange`` of a
-TCP schedule (``FaultyTransport`` wraps the TCP transports, the host leaders' too) or one
-barrier of a shared-memory algorithm (the arena calls ``Injector.barrier``); a
-hierarchical operation counts both, in order. The communicator calls ``before_op`` before
-each operation. Ranks without a spec get no injector, so an unset ``PYCOLL_FAULT`` costs
-nothing. What each fault does on each path: docs/faults.md.
+One ``Injector`` per rank, an observer of its group (``core.observer``), holds its faults
+and where the current operation is (op, seq, step). A *step* is one unit of an operation on
+whatever path it takes: one ``exchange`` of a TCP schedule (the ``transport`` hook wraps
+every TCP transport in a ``FaultyTransport``, the host leaders' too) or one barrier of a
+shared-memory algorithm (``barrier_begins``); a hierarchical operation counts both, in
+order. Ranks without a spec get no injector, so an unset ``PYCOLL_FAULT`` costs nothing.
+What each fault does on each path: docs/faults.md.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from pycoll.core.observer import Observer
 from pycoll.core.shm_algorithms import words_nbytes
 from pycoll.transport.base import InFrame, OutFrame, Transport
 from pycoll.wire import decode_header, header_length
@@ -108,19 +109,25 @@ def wrap(transport: Transport, inj: "Injector | None") -> Transport:
     return FaultyTransport(transport, inj) if inj is not None else transport
 
 
-class Injector:
+class Injector(Observer):
     """One rank's faults and the position of its current operation."""
 
     def __init__(self, rank: int, faults: Sequence[Fault]) -> None:
         self.rank, self.faults = rank, list(faults)
-        self.op, self.seq, self.step = "", -1, 0
-        self.sever = None   # callable(reason): drop every connection (the communicator sets it)
+        self.op, self.seq, self.steps = "", -1, 0
+        self.sever = None   # callable(reason): drop every connection (the group's, once started)
+
+    def started(self, comm) -> None:
+        self.sever = comm.sever
+
+    def transport(self, t: Transport) -> Transport:
+        return FaultyTransport(t, self)
 
     def _active(self):
         return [f for f in self.faults if f.matches(self.op, self.seq)]
 
     def before_op(self, op: str, seq: int) -> None:
-        self.op, self.seq, self.step = op, seq, 0
+        self.op, self.seq, self.steps = op, seq, 0
         for f in self._active():
             if f.delay:
                 time.sleep(f.delay)
@@ -129,12 +136,12 @@ class Injector:
 
     def _step(self) -> list[Fault]:
         """Count one step; kill or stall here if asked. Returns the faults that apply."""
-        self.step += 1
+        self.steps += 1
         active = self._active()
         for f in active:
-            if f.kill_at_step == self.step:
+            if f.kill_at_step == self.steps:
                 os.kill(os.getpid(), signal.SIGKILL)
-            if f.stall_at_step == self.step:
+            if f.stall_at_step == self.steps:
                 time.sleep(f.stall)
         return active
 
@@ -142,7 +149,7 @@ class Injector:
         """A TCP step: the frames to send (one damaged, perhaps), and whether to cut it short."""
         truncate = False
         for f in self._step():
-            if f.corrupt_at_step == self.step and outs:
+            if f.corrupt_at_step == self.steps and outs:
                 outs[0], truncate = _corrupt(outs[0], f.corrupt), f.corrupt == "truncate"
             if f.slow_link is not None:
                 nbytes = sum(len(o.header) + len(o.payload) for o in outs if f.slow_link in (-1, o.peer))
@@ -150,7 +157,7 @@ class Injector:
                     time.sleep(nbytes / f.bw)
         return outs, truncate
 
-    def barrier(self, arena) -> None:
+    def barrier_begins(self, arena) -> None:
         """A shared-memory step (called by the arena before each barrier).
 
         Shared memory has no frames: a slow link delays the operation's first barrier by
@@ -158,15 +165,15 @@ class Injector:
         its peers report (docs/faults.md).
         """
         for f in self._step():
-            if f.slow_link is not None and self.step == 1:
+            if f.slow_link is not None and self.steps == 1:
                 nbytes = words_nbytes(arena.published)
                 if nbytes:
                     time.sleep(nbytes / f.bw)
-            if f.corrupt_at_step == self.step:
+            if f.corrupt_at_step == self.steps:
                 # Nothing in shared memory is checked per step (it is one trust domain): the
                 # damaged rank is made to stop, and to say why, as a peer's garbage frame would.
                 arena.abort(f"rank {arena.ranks[arena.me]}'s control words are damaged (fault "
-                            f"injection: corrupt={f.corrupt} at step {self.step} of {self.op} seq {self.seq})")
+                            f"injection: corrupt={f.corrupt} at step {self.steps} of {self.op} seq {self.seq})")
 
 
 class FaultyTransport(Transport):

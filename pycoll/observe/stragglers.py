@@ -8,7 +8,7 @@ any injected delay), ``end`` when it finished; both ``time.monotonic()``.
 Attribution needs every rank's arrivals, so ``stats()`` is a collective call (every rank
 of the group calls it, like a barrier): each rank sends its window to every other rank
 over the group's point-to-point engine (own tags, so neither the collective channel nor
-the op sequence numbers are touched), on rank 0's clock (``trace.sync_clock``, measured
+the op sequence numbers are touched), on rank 0's clock (``clock.offset_of``, measured
 once per group). A sequence number names the same collective on every rank, so records
 are matched by it; only collectives that every rank has in its window are reported.
 """
@@ -16,25 +16,26 @@ are matched by it; only collectives that every rank has in its window are report
 from __future__ import annotations
 
 import math
-import os
 import time
+import weakref
 
 import torch
 
-from pycoll.c10d import torch_compat
+from pycoll import torch_compat
+from pycoll.core import tags
+from pycoll.core.communicator import ARRIVALS_WINDOW as WINDOW
 from pycoll.core.executor import byte_view
-from pycoll.observe.trace import sync_clock
+from pycoll.observe.clock import offset_of
 
-WINDOW = max(1, int(os.environ.get("PYCOLL_STATS_WINDOW", 1024)))
-STATS_TAG = -(1 << 43)
+_calls: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()   # communicator -> stats() calls
 
 
 def _comm_of(group):
     pg = group if group is not None else torch_compat.default_group()
-    comm = getattr(pg, "_comm", None)
+    comm = getattr(pg, "communicator", None)
     if comm is None:
         try:
-            comm = pg._get_backend(torch.device("cpu"))._comm
+            comm = pg._get_backend(torch.device("cpu")).communicator
         except (AttributeError, RuntimeError):
             raise ValueError(f"pycoll.stats: {pg!r} is not a pycoll process group") from None
     return comm
@@ -57,11 +58,9 @@ def stats(group=None, timeout: float | None = None) -> dict:
 
 def collect(comm, timeout: float | None = None) -> dict:
     world, rank, eng = comm.world, comm.rank, comm.p2p
-    comm.stats_calls = calls = getattr(comm, "stats_calls", 0) + 1
-    tag = STATS_TAG - 4 * calls
-    if getattr(comm, "clock", None) is None:
-        comm.clock = sync_clock(comm, tag - 1)
-    offset, error, method = comm.clock
+    _calls[comm] = calls = _calls.get(comm, 0) + 1
+    tag = tags.STATS - 4 * calls
+    offset, error, method = offset_of(comm, tag - 1)
     recs = comm.arrivals.copy()  # deque.copy is atomic under the GIL: no torn read
     ops = {seq: op for seq, op, _, _ in recs}
     mine = torch.full((WINDOW + 1, 3), math.nan, dtype=torch.float64)

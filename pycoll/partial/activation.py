@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from pycoll.core import callbacks
+from pycoll import callbacks
 
 TAG = 0x5041  # "PA"; the group is private, so it cannot collide with user tags
 KEEPALIVE = -1  # the round number of a keepalive: older than any round, so always dropped

@@ -7,14 +7,19 @@ owner, ``pycoll.partial.PartialAllReduce``, to run or wait for rounds until then
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 
 from pycoll.partial.rounds import RoundInfo
 
-if TYPE_CHECKING:
-    from pycoll.partial import PartialAllReduce
+
+class Rounds(Protocol):
+    """What a handle needs of its owner (``PartialAllReduce``)."""
+
+    rounds_done: int
+
+    def claim(self, k: int, timeout: float | None = None) -> "RoundResult": ...
 
 
 class RoundResult(NamedTuple):
@@ -30,16 +35,16 @@ class RoundResult(NamedTuple):
 class PartialWork:
     """The handle of one deposit: resolves to the result of the round paired with it."""
 
-    def __init__(self, owner: "PartialAllReduce", round_: int) -> None:
+    def __init__(self, owner: Rounds, round_: int) -> None:
         self._owner, self.round = owner, round_
         self._result: RoundResult | None = None
 
     def is_completed(self) -> bool:
-        return self._result is not None or self._owner._done > self.round
+        return self._result is not None or self._owner.rounds_done > self.round
 
     def result(self, timeout: float | None = None) -> RoundResult:
         if self._result is None:
-            self._result = self._owner._claim(self.round, timeout)
+            self._result = self._owner.claim(self.round, timeout)
         return self._result
 
     def wait(self, timeout: float | None = None) -> torch.Tensor:

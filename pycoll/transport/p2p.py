@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 
-from pycoll.core import callbacks
+from pycoll import callbacks
 from pycoll.errors import CommError, CommTimeoutError, PeerClosedError, ProtocolError
 from pycoll.transport.base import control_error
 from pycoll.transport.tcp.transport import Conn
@@ -222,6 +222,12 @@ class P2PEngine:
         os.close(self._wake_w)
         if self._own_runner:
             self._runner.close()
+
+    def pending(self) -> list[str]:
+        """The requests not finished yet, described (a snapshot, for the hang dump)."""
+        with self._lock:
+            reqs = list(self._posted) + [r for q in self._sends.values() for r in q]
+        return [r.describe() for r in reqs if not r.done.is_set()]
 
     # -- finishing requests ----------------------------------------------------------------
     def _finish(self, req: Request, error: BaseException | None = None) -> None:

@@ -129,10 +129,12 @@ def _alive(pid: int) -> bool:
 class ShmArena:
     """Shared staging memory and barriers for ``size`` ranks of one host (local ranks)."""
 
-    tracer = None   # PYCOLL_TRACE / PYCOLL_DEBUG hook (pycoll/trace.py); None: off
-    fault = None    # PYCOLL_FAULT injector (pycoll/faults.py), told of every barrier; None: off
+    # Observer hooks (core/observer.py), None when nobody watches: before each barrier, and
+    # after it (called by the shared-memory algorithms, which know what the round moved).
+    barrier_begins = None
+    on_barrier = None
     published: tuple[int, ...] = ()   # this rank's signature words of its current collective
-    pending = None  # the running collective's barriers, for describe_pending (pycoll/hangdump.py)
+    pending = None  # the running collective's barriers (its words, its first round), for progress()
 
     def __init__(self, store, key: str, local_rank: int, size: int, ranks: list[int],
                  timeout: float, slot_bytes: int | None = None) -> None:
@@ -254,8 +256,8 @@ class ShmArena:
     # -- sync ----------------------------------------------------------------------------
     def sync(self, deadline: float, what: str) -> None:
         """Barrier of all local ranks (every rank calls sync the same number of times)."""
-        if self.fault is not None:
-            self.fault.barrier(self)
+        if self.barrier_begins is not None:
+            self.barrier_begins(self)
         self.epoch += 1
         self._unsynced_round = False
         target = self.epoch
@@ -306,6 +308,16 @@ class ShmArena:
         if slept:
             ctrl[me_word + SLEEP] = 0
         self._spin_now = SPIN_AFTER_SLEEP if slept else self.spin   # (read only when self.spin)
+
+    def progress(self) -> dict | None:
+        """The running collective's barrier state, for the hang dump: its signature words, how
+        many rounds it has run, this rank's epoch and every local rank's."""
+        b = self.pending
+        if b is None or self.closed:
+            return None
+        return {"words": b.words, "rounds": self.rounds - b.round0, "epoch": self.epoch,
+                "epochs": [int(self._ctrl[r * LINE // 4]) for r in range(self.size)],
+                "ranks": self.ranks, "me": self.me, "slot_bytes": self.slot_bytes}
 
     def _reason(self, rank: int) -> str:
         start = rank * LINE + REASON_AT

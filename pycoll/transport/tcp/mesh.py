@@ -19,7 +19,6 @@ import errno
 import logging
 import select
 import socket
-import struct
 import time
 from collections import OrderedDict
 
@@ -226,18 +225,3 @@ def _missing(mesh, rank, world, channels, pending, refused) -> CommTimeoutError:
                  f"do all ranks share one PYCOLL_AUTH_KEY?")
     return CommTimeoutError(f"init (tcp mesh): rank {rank} timed out: {what}", op="init", rank=rank,
                             peer=missing[0] if missing else -1)
-
-
-def interface_address(ifname: str) -> str:
-    """IPv4 address of a network interface (PYCOLL_SOCKET_IFNAME)."""
-    import fcntl
-
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", ifname[:15].encode()))  # SIOCGIFADDR
-    except OSError as exc:
-        raise ValueError(f"PYCOLL_SOCKET_IFNAME={ifname}: no IPv4 address ({exc})") from None
-    finally:
-        s.close()
-    return socket.inet_ntoa(packed[20:24])
-

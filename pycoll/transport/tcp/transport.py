@@ -10,9 +10,8 @@ receives progress together, a step where every rank sends and receives at once c
 deadlock on full socket buffers. Every wait has the collective's deadline.
 
 Failure handling (ABORT/BYE frames, watching idle connections, error texts, abort, sever
-and close) lives in ``tcp_failure``; ``TcpTransport`` inherits it. ``pycoll.hangdump``
-reads the locals ``self``, ``active`` and ``recvs`` of ``TcpTransport._exchange`` in this
-file from a stuck thread's stack: keep those names.
+and close) lives in ``failure``; ``TcpTransport`` inherits it. ``progress()`` says how far
+the step in progress got, per peer (the hang dump asks).
 """
 
 from __future__ import annotations
@@ -65,6 +64,7 @@ class TcpTransport(FailureHandling, Transport):
         self._st = SharedState()
         self._owner = True
         self._cur = None  # signature of the collective being exchanged
+        self._progress = None   # (sends, receives) still open in the step in progress
         LIVE.add(self)
 
     def subset(self, ranks: list[int]) -> "TcpTransport":
@@ -75,7 +75,7 @@ class TcpTransport(FailureHandling, Transport):
         sub.rank, sub.world = ranks.index(self.rank), len(ranks)
         sub.conns = {i: self.conns[r] for i, r in enumerate(ranks) if r != self.rank}
         sub.ranks = [self.ranks[r] for r in ranks]
-        sub._st, sub._owner, sub._cur = self._st, False, None
+        sub._st, sub._owner, sub._cur, sub._progress = self._st, False, None, None
         return sub
 
     @property
@@ -85,6 +85,22 @@ class TcpTransport(FailureHandling, Transport):
     def _g(self, r: int) -> int:
         """The group rank of transport rank ``r`` (they differ in a subset), for messages."""
         return self.ranks[r] if 0 <= r < len(self.ranks) else r
+
+    def progress(self) -> str:
+        """Bytes done per peer of the step in progress (read from another thread: a snapshot)."""
+        state = self._progress
+        if state is None:
+            return "between transfers (framing or reducing)"
+        sends, recvs = state
+        parts = []
+        for peer, r in list(recvs.items()):
+            got = r.done + (r.off if r.cur is not None else 0)
+            parts.append(f"waiting for rank {self._g(peer)}: received {got} of {r.total} bytes")
+        for peer, q in list(sends.items()):
+            total = sum(len(b) for b in q.bufs)
+            parts.append(f"sending to rank {self._g(peer)}: {total - q.left()} of {total} bytes "
+                         f"(headers included) accepted")
+        return "; ".join(parts) or "all transfers of the step done"
 
     # -- data path ---------------------------------------------------------------------
     def exchange(self, outs: Sequence[OutFrame], ins: Sequence[InFrame], deadline: float,
@@ -104,6 +120,8 @@ class TcpTransport(FailureHandling, Transport):
                         f"{what}: rank {self._g(self.rank)} was interrupted: {type(exc).__name__}: {exc}",
                         rank=self._g(self.rank)), sends)
                     raise
+                finally:
+                    self._progress = None
         except CommError:
             raise
         except BaseException:
@@ -130,6 +148,7 @@ class TcpTransport(FailureHandling, Transport):
             st.frames.append(f)
             st.total += len(f.dest)
         active = dict(sends)
+        self._progress = (active, recvs)
         if ins:
             self._cur = ins[0].expect.sig
         elif outs:

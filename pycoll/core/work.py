@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pycoll.core import callbacks
+from pycoll import callbacks
 from pycoll.errors import CommTimeoutError
 
 _FUTURE_LOCK = threading.Lock()

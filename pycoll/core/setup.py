@@ -1,0 +1,90 @@
+"""How a group is wired at init: the path it takes, its TCP mesh, its host's shared memory.
+
+Every rank publishes its host identity (hostname + boot id, or ``PYCOLL_HOST_ID``); from
+the list and ``PYCOLL_TRANSPORT`` every rank derives the same mode (``choose_mode``):
+``tcp`` (sockets only), ``shm`` (one host: the arena carries collectives) or
+``hierarchical`` (several hosts with several ranks each: an arena per host, and the host
+leaders' TCP sub-transport between them). The TCP mesh is built in every mode: point-to-point
+traffic always takes its own sockets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from pycoll import rendezvous
+from pycoll.core.executor import DEFAULT_SEGMENT_BYTES, Executor
+from pycoll.transport.base import Transport
+from pycoll.transport.shm.arena import ShmArena
+from pycoll.transport.tcp.mesh import build_mesh
+from pycoll.transport.tcp.transport import TcpTransport
+
+MODES = ("auto", "tcp", "shm", "hierarchical")
+
+
+def choose_mode(requested: str, hosts: list[str]) -> str:
+    """PYCOLL_TRANSPORT -> the path this group takes, given each rank's host identity."""
+    requested = requested.lower()
+    if requested not in MODES:
+        raise ValueError(f"PYCOLL_TRANSPORT={requested!r}: choose one of {', '.join(MODES)}")
+    n_hosts = len(set(hosts))
+    if requested == "shm" and n_hosts > 1:
+        raise ValueError(f"PYCOLL_TRANSPORT=shm needs all ranks on one host; they span {n_hosts} hosts")
+    if requested != "auto":
+        return requested
+    if len(hosts) == 1:
+        return "tcp"
+    if n_hosts == 1:
+        return "shm"
+    return "hierarchical" if n_hosts < len(hosts) else "tcp"
+
+
+@dataclass
+class Wiring:
+    """What ``wire`` built for one rank of one group."""
+
+    mode: str
+    hosts: list[str]
+    tcp: TcpTransport                 # the collective sockets, as built
+    transport: Transport              # the same, as the observers see it (perhaps wrapped)
+    executor: Executor
+    p2p_socks: dict
+    arena: ShmArena | None = None
+    local_ranks: list[int] = field(default_factory=list)   # group ranks on this host
+    host_of: list[int] = field(default_factory=list)       # host index of every group rank
+    leaders: list[int] = field(default_factory=list)       # lowest group rank of every host
+    leader_executor: Executor | None = None                 # hierarchical: this leader's TCP
+
+
+def wire(store, rank: int, world: int, timeout: float, observe_transport=None) -> Wiring:
+    """Build this rank's paths; ``observe_transport(t) -> t`` sees each TCP transport."""
+    wrap = observe_transport or (lambda t: t)
+    global_rank = dist.get_rank() if dist.is_initialized() else rank
+    hosts = rendezvous.exchange_all(store, "pycoll/host", rank, world, rendezvous.host_identity(global_rank))
+    mode = choose_mode(os.environ.get("PYCOLL_TRANSPORT", "auto"), hosts)
+    coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
+    tcp = TcpTransport(rank, world, coll_socks)
+    transport = wrap(tcp)
+    segment = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
+    w = Wiring(mode, hosts, tcp, transport, Executor(transport, segment), p2p_socks)
+    if mode == "tcp":
+        return w
+    order = list(dict.fromkeys(hosts))           # hosts in order of their lowest rank
+    local = [r for r in range(world) if hosts[r] == hosts[rank]]
+    try:
+        w.arena = ShmArena(store, f"pycoll/shm/{order.index(hosts[rank])}", local.index(rank), len(local),
+                           local, timeout)
+    except BaseException:
+        tcp.close()
+        for s in p2p_socks.values():
+            s.close()
+        raise
+    w.local_ranks = local
+    w.host_of = [order.index(h) for h in hosts]
+    w.leaders = [next(r for r in range(world) if hosts[r] == h) for h in order]
+    if mode == "hierarchical" and rank in w.leaders:
+        w.leader_executor = Executor(wrap(tcp.subset(w.leaders)), segment)
+    return w

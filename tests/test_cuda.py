@@ -2,7 +2,7 @@
 
 What runs where:
 - everywhere (CPU build included): the pure path choice, the dtype/op table, the error
-  messages, backend registration, the dispatch scan, and the IPC path's algorithms on a
+  messages, backend registration, the plan primitives every path must have, and the IPC path's algorithms on a
   host-memory stand-in (real processes, real ShmArena barriers and signature checks; only the
   device buffers and CUDA events are replaced by shared host memory and no-ops);
 - with a GPU (skipped otherwise): every collective on CUDA tensors through each path
@@ -17,10 +17,8 @@ import torch
 import torch.distributed as dist
 
 import pycoll
-from pycoll.c10d.plans import cuda_tensor_message
 from pycoll.core.reductions import make_reduction
 from pycoll.cuda import dtypes as D
-from pycoll.cuda.dispatch import has_cuda
 from pycoll.cuda.ipc import IpcPath
 from pycoll.cuda.paths import (
     CudaPathError,
@@ -113,8 +111,6 @@ def test_messages_name_the_extra():
     msg = cuda_hint("all_reduce")
     assert msg.startswith("all_reduce: ") and "pip install 'pycoll[cuda]'" in msg
     assert "PYCOLL_CUDA_PATH=staging" in msg
-    msg = cuda_tensor_message("allreduce")
-    assert "pycoll[cuda]" in msg and "PYCOLL_CUDA_PATH" in msg and msg.startswith("allreduce: ")
 
 
 # -- the torch -> NCCL table -------------------------------------------------------------------------
@@ -199,19 +195,39 @@ def test_c10d_accepts_a_cuda_device_list_on_any_build():
     assert res[0][1] == [{"r": 0}, {"r": 1}] and res[0][2] == ["cpu", "cuda"]
 
 
-def test_dispatch_scan_leaves_cpu_calls_alone():
-    t = torch.ones(2)
-    assert not has_cuda(([t], None))
-    assert not has_cuda(([[t, t]], [t]))
-    assert not has_cuda((t, t, [1, 1], [1, 1]))
-    assert not has_cuda(([], 3))
+def _cpu_calls_make_no_cuda_channel(rank, world):
+    pg = dist.distributed_c10d._get_default_group()
+    t = torch.ones(4)
+    dist.all_reduce(t)
+    dist.all_gather_into_tensor(torch.zeros(8), t)
+    dist.barrier()
+    return pg._cuda is None
+
+
+def test_cpu_calls_make_no_cuda_channel():
+    assert run_ranks(_cpu_calls_make_no_cuda_channel, 2, backend="pycoll") == [True, True]
     from pycoll.c10d.backend import ProcessGroupPycoll
     assert ProcessGroupPycoll._allgather_base is ProcessGroupPycoll.all_gather_single
-    wrapped = getattr(ProcessGroupPycoll.allreduce, "__pycoll_cpu__", None)
-    if torch.version.cuda is None:   # a CPU build cannot hold CUDA tensors: no wrapper
-        assert wrapped is None
-    else:
-        assert wrapped.__name__ == "allreduce"
+
+
+def test_every_plan_primitive_is_a_method_of_every_cuda_path():
+    """The CUDA channel calls a path's method named after the plan's primitive: the names
+    of plans.py and of the nccl and ipc paths must agree (the staging path runs the CPU call)."""
+    import ast
+    from pathlib import Path
+
+    from pycoll.c10d import cpu
+    from pycoll.cuda.nccl import NcclPath
+
+    ops = {op for op in cpu.PRIMITIVES if op != "sparse_all_reduce"} | {"send", "recv"}
+    plans_src = Path(cpu.__file__).with_name("plans.py").read_text()
+    made = {node.args[0].value for node in ast.walk(ast.parse(plans_src))
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "Plan"
+            and node.args and isinstance(node.args[0], ast.Constant)}
+    assert made - {"sparse_all_reduce"} <= ops, made
+    for path in (NcclPath, IpcPath):
+        missing = {op for op in ops if not callable(getattr(path, op, None))}
+        assert missing <= ({"send", "recv"} if path is IpcPath else set()), (path.__name__, missing)
 
 
 # -- the IPC algorithms on a host-memory stand-in ---------------------------------------------------
@@ -434,11 +450,11 @@ def _gpu_battery(rank, world):
     dist.barrier()
     dist.barrier(device_ids=[dev.index])
     torch.cuda.synchronize()
-    return pg.__dict__["_pycoll_cuda"].path, done
+    return pg._cuda.path, done
 
 
 def _nccl_ok() -> bool:
-    from pycoll.cuda.checks import nccl_importable
+    from pycoll.cuda.facts import nccl_importable
     return nccl_importable()
 
 
@@ -459,7 +475,7 @@ def _auto_path(rank, world):
     t = torch.ones(4, device="cuda:0")
     dist.all_reduce(t)
     assert t.tolist() == [float(world)] * 4
-    return dist.distributed_c10d._get_default_group().__dict__["_pycoll_cuda"].path
+    return dist.distributed_c10d._get_default_group()._cuda.path
 
 
 @needs_gpu

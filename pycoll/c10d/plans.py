@@ -1,134 +1,263 @@
-"""Argument checks that run before any communication, with gloo's exception types or clearer.
+"""What a c10d call becomes before it runs: a ``Plan``, the same for CPU and CUDA tensors.
 
-Also the reshaping every collective needs: a flat contiguous view of a tensor, or, for a
-non-contiguous tensor, a contiguous copy plus the function that writes results back (gloo
-rejects such tensors; handling them costs one copy and no surprise).
+Each builder takes a ProcessGroup method's arguments (and this rank and the world size),
+checks everything a rank can check alone (``checks``), and returns which *primitive* runs
+(``all_reduce(t, red)``, ``broadcast(t, root)``, ``reduce(t, root, red)``,
+``all_gather(out, inp)``, ``gather(out | None, inp, root)``, ``scatter(out, inp | None,
+root)``, ``reduce_scatter(out, inp, counts, red)``, ``all_to_all(out, inp, send, recv)``,
+``barrier()``, ``send(t, peer)``, ``recv(t, peer)``) on which flat contiguous tensors, and
+what to do afterwards (copy results into the caller's tensors). The CPU channel runs the
+primitive of ``core.collectives`` with this rank's communicator; the CUDA channel runs its
+path's primitive of the same name on the caller's stream (``pycoll.cuda``).
+
+``args`` is either the primitive's arguments or, for list-form calls that must pack their
+tensors, a function making them when the op runs (not when it is submitted: an async op
+reads its inputs when its turn comes, as with gloo).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
-from pycoll.core.reductions import SUPPORTED_DTYPES
-from pycoll.torch_compat import has_internal_overlap
+from pycoll.c10d import sparse
+from pycoll.c10d.checks import (
+    cat,
+    check_outputs,
+    check_own_block,
+    check_parts,
+    check_peer,
+    check_root,
+    check_tensor,
+    check_tensors,
+    device_of,
+    flat,
+    flat_in,
+    flat_out,
+    no_write_back,
+    same_dtype,
+    split_counts,
+    unflatten_into,
+)
+from pycoll.core.reductions import Reduction, make_reduction
+from pycoll.transport.p2p import ANY
 
-_STRIDED = torch.strided
-CUDA_HINT = ("CUDA tensors need pycoll's CUDA support: install the extra with "
-             "`pip install pycoll[cuda]` (CuPy)")
+
+@dataclass(slots=True)
+class Plan:
+    op: str                           # the primitive (see the module docstring)
+    outputs: list                     # what the Work hands back
+    device: torch.device | None       # where the call's tensors live (None: it has none)
+    args: tuple | Callable[[], tuple]
+    finish: Callable[[], None] = no_write_back
+    red: Reduction | None = None      # (for the CUDA paths, which check what they can reduce)
+    tag: int = 0                      # point to point only
+
+    def arguments(self) -> tuple:
+        return self.args() if callable(self.args) else self.args
 
 
-def cuda_tensor_message(what: str) -> str:
-    """Why a CPU-path check met a CUDA tensor: CUDA calls go through pycoll.cuda (docs/cuda.md).
-
-    ProcessGroupPycoll routes calls with CUDA tensors to pycoll.cuda before this check runs, so
-    this is reached only by a direct call of a CPU method; it names the paths and the extra.
-    """
-    from pycoll.cuda.paths import ENV, EXTRA
-
-    return (f"{what}: CUDA tensor given to pycoll's CPU path. Through the process group, CUDA "
-            f"tensors take {ENV}=auto|nccl|ipc|staging (docs/cuda.md); the nccl path needs "
-            f"CuPy: install the extra with `{EXTRA}`")
-
-
-def check_dense(t, what: str, device: str) -> torch.Tensor:
-    """A dense tensor of a supported dtype on ``device`` ("cpu" or "cuda"), or a clear error."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.layout != torch.strided:
-        raise ValueError(f"{what}: {t.layout} tensors are not supported (only dense, strided tensors)")
-    if t.device.type != device:
-        if t.device.type == "cuda":
-            raise RuntimeError(cuda_tensor_message(what))
-        raise ValueError(f"{what}: tensors on device {t.device} are not supported here ({device} only)")
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"{what}: dtype {t.dtype} is not supported")
+def _one(tensors, what: str) -> torch.Tensor:
+    (t,) = check_tensors(tensors, what, exactly=1)
     return t
 
 
-def check_tensor(t, what: str) -> torch.Tensor:
-    return check_dense(t, what, "cpu")
+# -- reductions ------------------------------------------------------------------------------
+def allreduce(rank: int, world: int, tensors, opts) -> Plan:
+    if len(tensors) == 1 and getattr(tensors[0], "layout", None) == torch.sparse_coo:
+        t = tensors[0]
+        red = make_reduction(opts.reduceOp, t.dtype, world)
+        sparse.check(t, red, "allreduce")
+        return Plan("sparse_all_reduce", [t], t.device, (t,), red=red)
+    t = _one(tensors, "allreduce")
+    red = make_reduction(opts.reduceOp, t.dtype, world)
+    f, back = flat(t, "allreduce")
+    return Plan("all_reduce", [t], t.device, (f, red), back, red)
 
 
-def check_tensors(ts, what: str, exactly: int | None = None) -> list[torch.Tensor]:
-    ts = list(ts)
-    if exactly is not None and len(ts) != exactly:
-        raise ValueError(f"{what}: expected {exactly} tensor(s) per call, got {len(ts)}")
-    if exactly == 1:    # the latency path: one tensor, checked inline
-        t = ts[0]
-        if (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu
-                and t.dtype in SUPPORTED_DTYPES):
-            return ts
-    return [check_tensor(t, what) for t in ts]
+def allreduce_coalesced(rank: int, world: int, tensors, opts) -> Plan:
+    ts = check_outputs(tensors, "allreduce_coalesced")
+    dtype = same_dtype(ts, "allreduce_coalesced")
+    red = make_reduction(opts.reduceOp, dtype, world)
+    device = device_of(ts, "allreduce_coalesced")
+    buf: list = []
+
+    def args():
+        buf[:] = [cat(ts, dtype, device)]
+        return buf[0], red
+    return Plan("all_reduce", list(ts), device, args, lambda: unflatten_into(buf[0], ts), red)
 
 
-def check_outputs(ts, what: str) -> list[torch.Tensor]:
-    """``check_tensors`` for tensors that results are copied into."""
-    return [check_writable(t, what) for t in check_tensors(ts, what)]
+def reduce(rank: int, world: int, tensors, opts) -> Plan:
+    t = _one(tensors, "reduce")
+    root = check_root(opts.rootRank, world, "reduce")
+    red = make_reduction(opts.reduceOp, t.dtype, world)
+    f, back = flat(t, "reduce")
+    return Plan("reduce", [t], t.device, (f, root, red), back, red)
 
 
-def same_dtype(ts: list[torch.Tensor], what: str) -> torch.dtype | None:
-    dtypes = {t.dtype for t in ts}
-    if len(dtypes) > 1:
-        raise TypeError(f"{what}: tensors must share one dtype, got {sorted(map(str, dtypes))}")
-    return ts[0].dtype if ts else None
+def reduce_scatter(rank: int, world: int, output_tensors, input_tensors, opts) -> Plan:
+    out = _one(output_tensors, "reduce_scatter output")
+    if len(input_tensors) != 1 or len(input_tensors[0]) != world:
+        raise ValueError(f"reduce_scatter: input list must hold {world} tensors (one per rank)")
+    ins = check_tensors(input_tensors[0], "reduce_scatter input")
+    same_dtype([out, *ins], "reduce_scatter")
+    device = device_of([out, *ins], "reduce_scatter")
+    if ins[rank].numel() != out.numel():
+        raise ValueError(f"reduce_scatter: output has {out.numel()} elements but input "
+                         f"{rank} has {ins[rank].numel()}")
+    red = make_reduction(opts.reduceOp, out.dtype, world)
+    counts = tuple(x.numel() for x in ins)
+    o, back = flat_out(out, "reduce_scatter output")
+    return Plan("reduce_scatter", [out], device, lambda: (o, cat(ins, out.dtype, device), counts, red), back, red)
 
 
-def check_root(root: int, world: int, what: str) -> int:
-    if not 0 <= root < world:
-        raise ValueError(f"{what}: root rank {root} is out of range for a group of size {world}")
-    return root
+def reduce_scatter_single(rank: int, world: int, output, input, opts) -> Plan:
+    out, inp = check_tensor(output, "reduce_scatter output"), check_tensor(input, "reduce_scatter input")
+    same_dtype([out, inp], "reduce_scatter_tensor")
+    device = device_of([out, inp], "reduce_scatter_tensor")
+    if inp.numel() != out.numel() * world:
+        raise ValueError(f"reduce_scatter_tensor: input has {inp.numel()} elements, expected "
+                         f"output size x world size = {out.numel() * world}")
+    red = make_reduction(opts.reduceOp, out.dtype, world)
+    o, back = flat_out(out, "reduce_scatter_tensor output")
+    return Plan("reduce_scatter", [out], device, (o, flat_in(inp), (out.numel(),) * world, red), back, red)
 
 
-def no_write_back() -> None:
-    """The write-back of a tensor that ``flat`` or ``flat_out`` did not copy."""
+# -- data movement ---------------------------------------------------------------------------
+def broadcast(rank: int, world: int, tensors, opts) -> Plan:
+    t = _one(tensors, "broadcast")
+    root = check_root(opts.rootRank, world, "broadcast")
+    f, back = flat(t, "broadcast")
+    return Plan("broadcast", [t], t.device, (f, root), back)
 
 
-def check_writable(t: torch.Tensor, what: str) -> torch.Tensor:
-    """``t`` can receive a result: no two of its elements share memory (an expanded view
-    would make the write-back fail after the communication, breaking the group)."""
-    if not t.is_contiguous() and has_internal_overlap(t) == 1:
-        raise ValueError(f"{what}: the tensor has elements that share memory (an expanded or "
-                         f"stride-0 view), so results cannot be written into it; pass a tensor "
-                         f"that owns its elements, e.g. t.clone()")
-    return t
+def allgather(rank: int, world: int, output_tensors, input_tensors, opts=None) -> Plan:
+    inp = _one(input_tensors, "allgather input")
+    if len(output_tensors) != 1 or len(output_tensors[0]) != world:
+        raise ValueError(f"allgather: output list must hold {world} tensors (one per rank)")
+    outs = check_outputs(output_tensors[0], "allgather output")
+    check_parts(outs, inp, "allgather")
+    device = device_of([inp, *outs], "allgather")
+    i = flat_in(inp)
+    buf = torch.empty(inp.numel() * world, dtype=inp.dtype, device=device)
+    return Plan("all_gather", outs, device, (buf, i), lambda: unflatten_into(buf, outs))
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """Its memory holds its values as they read: contiguous, and no lazy negation or
-    conjugation bit (``torch._neg_view``, ``.conj()``) that raw bytes would lose."""
-    return t.is_contiguous() and not (t.is_neg() or t.is_conj())
+def all_gather_single(rank: int, world: int, output, input, opts=None) -> Plan:
+    out, inp = check_tensor(output, "all_gather output"), check_tensor(input, "all_gather input")
+    same_dtype([out, inp], "all_gather_into_tensor")
+    device = device_of([out, inp], "all_gather_into_tensor")
+    if out.numel() != inp.numel() * world:
+        raise ValueError(f"all_gather_into_tensor: output has {out.numel()} elements, expected "
+                         f"input size x world size = {inp.numel() * world}")
+    o, back = flat_out(out, "all_gather_into_tensor output")
+    return Plan("all_gather", [out], device, (o, flat_in(inp)), back)
 
 
-def flat_in(t: torch.Tensor) -> torch.Tensor:
-    """A flat contiguous tensor of ``t``'s values, for an input that is only read."""
-    if _plain(t):
-        return t if t.dim() == 1 else t.view(-1)
-    return t.resolve_conj().resolve_neg().reshape(-1).contiguous()
+def allgather_coalesced(rank: int, world: int, output_lists, input_list, opts=None) -> Plan:
+    ins = check_tensors(input_list, "allgather_coalesced input")
+    dtype = same_dtype(ins, "allgather_coalesced")
+    if len(output_lists) != world or any(len(o) != len(ins) for o in output_lists):
+        raise ValueError(f"allgather_coalesced: output must be {world} lists of {len(ins)} tensors")
+    for outs in output_lists:
+        for o, i in zip(check_outputs(outs, "allgather_coalesced output"), ins):
+            check_parts([o], i, "allgather_coalesced")
+    flat_outs = [o for outs in output_lists for o in outs]
+    device = device_of([*ins, *flat_outs], "allgather_coalesced") if ins else torch.device("cpu")
+    buf = torch.empty(sum(t.numel() for t in ins) * world, dtype=dtype, device=device)
+    return Plan("all_gather", flat_outs, device, lambda: (buf, cat(ins, dtype, device)),
+                lambda: unflatten_into(buf, flat_outs))
 
 
-def flat(t: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], None]]:
-    """A flat contiguous tensor holding ``t``'s values, and a write-back for in-place results."""
-    if _plain(t):
-        return (t if t.dim() == 1 else t.view(-1)), no_write_back
-    check_writable(t, what)
-    work = t.resolve_conj().resolve_neg().contiguous().view(-1)
-    return work, lambda: t.copy_(work.view_as(t))
+def gather(rank: int, world: int, output_tensors, input_tensors, opts) -> Plan:
+    inp = _one(input_tensors, "gather input")
+    root = check_root(opts.rootRank, world, "gather")
+    outs = []
+    if rank == root:
+        if len(output_tensors) != 1 or len(output_tensors[0]) != world:
+            raise ValueError(f"gather: the root's output list must hold {world} tensors")
+        outs = check_outputs(output_tensors[0], "gather output")
+        check_parts(outs, inp, "gather")
+    elif output_tensors and any(output_tensors):
+        raise ValueError("gather: non-root ranks must not pass output tensors")
+    device = device_of([inp, *outs], "gather")
+    buf = torch.empty(inp.numel() * world, dtype=inp.dtype, device=device) if outs else None
+    return Plan("gather", outs, device, (buf, flat_in(inp), root),
+                (lambda: unflatten_into(buf, outs)) if outs else no_write_back)
 
 
-def flat_out(t: torch.Tensor, what: str) -> tuple[torch.Tensor, Callable[[], None]]:
-    """Like ``flat`` for an output-only tensor: no copy of the old contents is needed."""
-    if _plain(t):
-        return (t if t.dim() == 1 else t.view(-1)), no_write_back
-    check_writable(t, what)
-    work = torch.empty(t.numel(), dtype=t.dtype)
-    return work, lambda: t.copy_(work.view(t.shape))
+def scatter(rank: int, world: int, output_tensors, input_tensors, opts) -> Plan:
+    out = _one(output_tensors, "scatter output")
+    root = check_root(opts.rootRank, world, "scatter")
+    ins = []
+    if rank == root:
+        if len(input_tensors) != 1 or len(input_tensors[0]) != world:
+            raise ValueError(f"scatter: the root's input list must hold {world} tensors")
+        ins = check_tensors(input_tensors[0], "scatter input")
+        check_parts(ins, out, "scatter")
+    elif input_tensors and any(input_tensors):
+        raise ValueError("scatter: non-root ranks must not pass input tensors")
+    device = device_of([out, *ins], "scatter")
+    o, back = flat_out(out, "scatter output")
+    return Plan("scatter", [out], device, lambda: (o, cat(ins, out.dtype, device) if ins else None, root), back)
 
 
-def unflatten_into(buf: torch.Tensor, tensors) -> None:
-    """Copy consecutive ranges of the flat ``buf`` into ``tensors``, in order (list-form outputs)."""
-    off = 0
-    for t in tensors:
-        t.copy_(buf[off:off + t.numel()].view_as(t))
-        off += t.numel()
+def alltoall(rank: int, world: int, output_tensors, input_tensors, opts=None) -> Plan:
+    outs = check_outputs(output_tensors, "alltoall output")
+    ins = check_tensors(input_tensors, "alltoall input")
+    if len(outs) != world or len(ins) != world:
+        raise ValueError(f"alltoall: input and output lists must hold {world} tensors each")
+    dtype = same_dtype([*outs, *ins], "alltoall")
+    device = device_of([*outs, *ins], "alltoall")
+    send_counts, recv_counts = tuple(t.numel() for t in ins), tuple(t.numel() for t in outs)
+    check_own_block(send_counts, recv_counts, rank, "alltoall")
+    recv = torch.empty(sum(recv_counts), dtype=dtype, device=device)
+    return Plan("all_to_all", outs, device, lambda: (recv, cat(ins, dtype, device), send_counts, recv_counts),
+                lambda: unflatten_into(recv, outs))
+
+
+def all_to_all_single(rank: int, world: int, output, input, output_split_sizes, input_split_sizes,
+                      opts=None) -> Plan:
+    out, inp = check_tensor(output, "all_to_all output"), check_tensor(input, "all_to_all input")
+    same_dtype([out, inp], "all_to_all_single")
+    device = device_of([out, inp], "all_to_all_single")
+    send_counts = split_counts(inp, input_split_sizes, world, "input")
+    recv_counts = split_counts(out, output_split_sizes, world, "output")
+    check_own_block(send_counts, recv_counts, rank, "all_to_all_single")
+    o, back = flat_out(out, "all_to_all_single output")
+    return Plan("all_to_all", [out], device, (o, flat_in(inp), send_counts, recv_counts), back)
+
+
+def barrier(rank: int, world: int, opts=None) -> Plan:
+    ids = list(getattr(opts, "device_ids", None) or []) if opts is not None else []
+    device = torch.device("cuda", ids[0]) if ids else None   # dist.barrier(device_ids=[i])
+    return Plan("barrier", [], device, ())
+
+
+# -- point to point ------------------------------------------------------------------------------
+def send(rank: int, world: int, tensors, dst_rank: int, tag: int = 0) -> Plan:
+    t = _one(tensors, "send")
+    return Plan("send", [t], t.device, (flat_in(t), check_peer(dst_rank, rank, world, "send")), tag=tag)
+
+
+def recv(rank: int, world: int, tensors, src_rank: int, tag: int = 0) -> Plan:
+    t = _one(tensors, "recv")
+    peer = check_peer(src_rank, rank, world, "recv")
+    o, back = flat_out(t, "recv")
+    return Plan("recv", [t], t.device, (o, peer), back, tag=tag)
+
+
+def recv_anysource(rank: int, world: int, tensors, tag: int = 0) -> Plan:
+    t = _one(tensors, "recv")
+    o, back = flat_out(t, "recv")
+    return Plan("recv", [t], t.device, (o, ANY), back, tag=tag)
+
+
+OPTIONS = {allreduce: dist.AllreduceOptions, allreduce_coalesced: dist.AllreduceCoalescedOptions,
+           reduce: dist.ReduceOptions, reduce_scatter: dist.ReduceScatterOptions,
+           reduce_scatter_single: dist.ReduceScatterOptions, broadcast: dist.BroadcastOptions,
+           gather: dist.GatherOptions, scatter: dist.ScatterOptions}

@@ -1,0 +1,85 @@
+"""torch's per-device backend lookups, answered by a pycoll group itself (docs/c10d.md).
+
+torch finds a group's backend per device (``pg._get_backend(device)``) and asks it what it
+supports: DCP's async save wants a CPU backend, the full-state-dict broadcast into FSDP2
+takes ``pg._device_types[0]``, ``split_group`` and ``shrink_group`` ask ``supports_splitting``
+and ``supports_shrinking``. A C++ ``Backend`` cannot be made from Python ("No constructor
+defined"), and torch uses a ProcessGroup subclass as the group itself, so a pycoll group is
+its own backend for every device it serves. ``DeviceLookups`` is a base class of
+``backend.ProcessGroupPycoll``; it uses the group's ``_rank``, ``_size``, ``_timeout``,
+``_store`` and ``_comm``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from pycoll.cuda.paths import backend_devices
+
+
+@dataclass
+class Options:
+    """What c10d copies from a parent group's backend into a split (``backend.options``)."""
+
+    _timeout: timedelta
+
+
+class DeviceLookups:
+    @property
+    def _device_types(self) -> list[torch.device]:
+        return [torch.device(d) for d in backend_devices(torch.version.cuda is not None)]
+
+    def _get_backend(self, device):
+        kind = torch.device(device).type
+        if kind not in backend_devices(torch.version.cuda is not None):
+            raise RuntimeError(f"No backend type associated with device type {kind}")
+        return self
+
+    supports_splitting = True
+    supports_coalescing = False
+
+    @property
+    def supports_shrinking(self) -> bool:
+        return hasattr(self, "shrink")
+
+    @property
+    def options(self) -> Options:
+        return Options(self._timeout)
+
+    def get_group_store(self):
+        return self._store
+
+    def _set_sequence_number_for_group(self) -> None:
+        """c10d asks gloo and nccl to agree on a first sequence number; ours start at 0."""
+
+    def _set_default_timeout(self, timeout: timedelta) -> None:
+        """The timeout of every later op (``dist.distributed_c10d._set_pg_timeout``)."""
+        self._timeout = timeout
+        self._comm.timeout = timeout.total_seconds()
+
+    def eager_connect_single_device(self, device=None) -> None:
+        """Connections are made at construction: nothing is left to connect."""
+
+    def split_group(self, ranks, timeout=None, opts=None, group_name=None, group_desc=None,
+                    device_types=None):
+        """A new group of the parent-group ranks ``ranks`` (c10d's ``ProcessGroup.split_group``).
+
+        Called by every rank of this group with the split it belongs to; ranks outside
+        ``ranks`` get None. The members meet through this group's store, under the split's
+        name (c10d gives each split a unique one).
+        """
+        ranks = sorted(int(r) for r in ranks)
+        if self._rank not in ranks:
+            return None
+        if timeout is None:
+            timeout = opts._timeout if isinstance(opts, Options) else self._timeout
+        name = group_name or f"split-{'-'.join(map(str, ranks))}"
+        store = dist.PrefixStore(f"pycoll/split/{name}/", self._store)
+        pg = type(self)(store, ranks.index(self._rank), len(ranks), timeout)
+        pg._set_group_name(name)
+        pg._set_group_desc(group_desc or f"{self.getGroupDesc()}:split")
+        return pg

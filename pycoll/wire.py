@@ -29,6 +29,18 @@ BYE = 2     # "I destroyed my group cleanly": the last frame a rank sends on a c
 MAX_CONTROL_BYTES = 4096  # bound on an ABORT/BYE payload: a receiver never reads more
 
 
+# The one encoding of "which collective is this": a Signature in a TCP header, packed into
+# integer words in shared memory (``pack``/``unpack``), named in traces and errors.
+OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
+       "all_to_all", "barrier")
+DTYPES = ("bool", "uint8", "int8", "int16", "int32", "int64", "float16", "bfloat16", "float32", "float64",
+          "complex64", "complex128")
+DTYPE_SIZES = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2,
+               "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8, "complex128": 16}
+REDOPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor", "avg", "premul_sum")
+OP_WORD, DTYPE_WORD, REDOP_WORD = ({v: i for i, v in enumerate(names)} for names in (OPS, DTYPES, REDOPS))
+
+
 @dataclass(frozen=True, slots=True)
 class Signature:
     """What a collective call is; every rank of one call must agree on all of it."""
@@ -45,6 +57,25 @@ class Signature:
             [f", op={self.redop}" if self.redop else "", f", root={self.root}" if self.root >= 0 else ""]
         )
         return f"{self.op}(seq={self.seq}, dtype={self.dtype}, numel={self.numel}{extra})"
+
+
+def pack(sig: Signature, extra: int = 0) -> tuple[int, ...]:
+    """``sig`` as the 7 integer words a shared-memory collective publishes (``extra``: a word
+    of the collective's own, e.g. a hash of reduce_scatter's counts)."""
+    return (OP_WORD[sig.op], sig.seq, DTYPE_WORD[sig.dtype], sig.numel, REDOP_WORD[sig.redop], sig.root, extra)
+
+
+def unpack(words: tuple[int, ...]) -> Signature | None:
+    """The Signature a rank's words stand for; None for words that are no collective."""
+    op, seq, dt, numel, red, root = words[:6]
+    if not (0 <= op < len(OPS) and 0 <= dt < len(DTYPES) and 0 <= red < len(REDOPS)):
+        return None
+    return Signature(OPS[op], seq, DTYPES[dt], numel, REDOPS[red], root)
+
+
+def nbytes(sig: Signature) -> int:
+    """Bytes of the message a signature describes (numel x the dtype's size)."""
+    return sig.numel * DTYPE_SIZES[sig.dtype]
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,7 +174,17 @@ def _powersgd(rank, world, backend):
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.step()
+    _KEEP.append(state)
     return [p.detach().clone() for p in m.parameters()]
+
+
+# PowerSGD's callbacks hold its state, and the state the group. On gloo the callbacks run on
+# the group's worker thread, which can then drop the last reference to the group and so
+# join itself in ProcessGroupGloo's destructor: std::terminate ("Resource deadlock
+# avoided", 8 of 40 runs here). Keeping the states alive for the life of the rank process
+# keeps the comparison run from dying of it; pycoll's callbacks run on a runner thread of
+# their own (0 of 40 without this).
+_KEEP: list = []
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

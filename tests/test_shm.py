@@ -405,7 +405,9 @@ def test_another_user_cannot_open_the_segment():
     arenas = {}
     creator = threading.Thread(target=lambda: arenas.setdefault(0, ShmArena(store, "arena", 0, 2, [0, 1], 20.0)))
     creator.start()
-    path = store.get("arena/name").decode()
+    # A client of its own: one TCPStore object's get blocks its other users until it returns.
+    client = dist.TCPStore("127.0.0.1", store.port, 1, is_master=False, timeout=td(seconds=30))
+    path = client.get("arena/name").decode()
     pid = os.fork()
     if pid == 0:   # another user tries to open the segment while it waits for rank 1
         try:

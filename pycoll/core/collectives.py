@@ -21,6 +21,7 @@ import torch
 from pycoll.core import shm_algorithms as shm
 from pycoll.core.kernels import copy
 from pycoll.core.reductions import Reduction
+from pycoll.core.shm_rounds import counts_hash, signature
 from pycoll.wire import Signature
 
 
@@ -46,7 +47,7 @@ def all_reduce_task(comm, t: torch.Tensor, red: Reduction):
 
 
 def small_all_reduce(arena, t: torch.Tensor, red: Reduction, seq: int, deadline: float) -> None:
-    shm.small_all_reduce(arena, t, red, shm.signature("all_reduce", seq, t.dtype, t.numel(), red.name),
+    shm.small_all_reduce(arena, t, red, signature("all_reduce", seq, t.dtype, t.numel(), red.name),
                          deadline, f"all_reduce seq {seq}")
     red.finish(t)
 
@@ -54,7 +55,7 @@ def small_all_reduce(arena, t: torch.Tensor, red: Reduction, seq: int, deadline:
 def all_reduce(comm, t: torch.Tensor, red: Reduction, seq: int, deadline: float) -> None:
     red.prepare(t)
     if comm.mode == "shm":
-        shm.all_reduce(comm.arena, t, red, shm.signature("all_reduce", seq, t.dtype, t.numel(), red.name),
+        shm.all_reduce(comm.arena, t, red, signature("all_reduce", seq, t.dtype, t.numel(), red.name),
                        deadline, f"all_reduce seq {seq}")
     elif comm.mode == "hierarchical":
         _hierarchical_all_reduce(comm, t, red, seq, deadline)
@@ -66,24 +67,24 @@ def all_reduce(comm, t: torch.Tensor, red: Reduction, seq: int, deadline: float)
 
 def _hierarchical_all_reduce(comm, t, red, seq, deadline) -> None:
     arena, what = comm.arena, _what("all_reduce", seq)
-    words = shm.signature("all_reduce", seq, t.dtype, t.numel(), red.name)
+    words = signature("all_reduce", seq, t.dtype, t.numel(), red.name)
     leader = arena.me == 0
     shm.reduce(arena, t, t if leader else None, 0, red, words, deadline, what)
     if leader and len(comm.leaders) > 1:
         sig = Signature("all_reduce", seq, dtype_name(t.dtype), t.numel(), red.name)
         comm.run_schedule("all_reduce", t.nbytes, (t.numel(),), {"in": t, "out": t}, sig, red, deadline,
                           leaders_only=True)
-    shm.broadcast(arena, t, 0, shm.signature("broadcast", seq, t.dtype, t.numel(), root=0), deadline, what)
+    shm.broadcast(arena, t, 0, signature("broadcast", seq, t.dtype, t.numel(), root=0), deadline, what)
 
 
 def broadcast(comm, t: torch.Tensor, root: int, seq: int, deadline: float) -> None:
     what = _what("broadcast", seq)
     if comm.mode == "shm":
-        words = shm.signature("broadcast", seq, t.dtype, t.numel(), root=root)
+        words = signature("broadcast", seq, t.dtype, t.numel(), root=root)
         shm.broadcast(comm.arena, t, _local_root(comm, root), words, deadline, what)
         return
     if comm.mode == "hierarchical":
-        words = shm.signature("broadcast", seq, t.dtype, t.numel(), root=root)
+        words = signature("broadcast", seq, t.dtype, t.numel(), root=root)
         root_host = comm.host_of[root]
         mine = comm.host_of[comm.rank] == root_host
         if mine:
@@ -106,7 +107,7 @@ def reduce(comm, t: torch.Tensor, root: int, red: Reduction, seq: int, deadline:
         src = t.clone()
         red.prepare(src)
     if comm.mode == "shm":
-        words = shm.signature("reduce", seq, t.dtype, t.numel(), red.name, root)
+        words = signature("reduce", seq, t.dtype, t.numel(), red.name, root)
         shm.reduce(comm.arena, src, t if comm.rank == root else None, _local_root(comm, root), red, words,
                    deadline, _what("reduce", seq))
     else:
@@ -121,7 +122,7 @@ def reduce(comm, t: torch.Tensor, root: int, red: Reduction, seq: int, deadline:
 
 def all_gather(comm, out: torch.Tensor, inp: torch.Tensor, seq: int, deadline: float) -> None:
     if comm.mode == "shm":
-        words = shm.signature("all_gather", seq, inp.dtype, inp.numel())
+        words = signature("all_gather", seq, inp.dtype, inp.numel())
         shm.all_gather(comm.arena, out, inp, -1, words, deadline, _what("all_gather", seq))
         return
     sig = Signature("all_gather", seq, dtype_name(inp.dtype), inp.numel())
@@ -130,7 +131,7 @@ def all_gather(comm, out: torch.Tensor, inp: torch.Tensor, seq: int, deadline: f
 
 def gather(comm, out: torch.Tensor | None, inp: torch.Tensor, root: int, seq: int, deadline: float) -> None:
     if comm.mode == "shm":
-        words = shm.signature("gather", seq, inp.dtype, inp.numel(), root=root)
+        words = signature("gather", seq, inp.dtype, inp.numel(), root=root)
         shm.all_gather(comm.arena, out, inp, _local_root(comm, root), words, deadline, _what("gather", seq))
         return
     sig = Signature("gather", seq, dtype_name(inp.dtype), inp.numel(), root=root)
@@ -140,7 +141,7 @@ def gather(comm, out: torch.Tensor | None, inp: torch.Tensor, root: int, seq: in
 
 def scatter(comm, out: torch.Tensor, inp: torch.Tensor | None, root: int, seq: int, deadline: float) -> None:
     if comm.mode == "shm":
-        words = shm.signature("scatter", seq, out.dtype, out.numel(), root=root)
+        words = signature("scatter", seq, out.dtype, out.numel(), root=root)
         shm.scatter(comm.arena, out, inp, _local_root(comm, root), words, deadline, _what("scatter", seq))
         return
     sig = Signature("scatter", seq, dtype_name(out.dtype), out.numel(), root=root)
@@ -154,8 +155,8 @@ def reduce_scatter(comm, out: torch.Tensor, inp: torch.Tensor, counts: tuple[int
         inp = inp.clone()
         red.prepare(inp)
     if comm.mode == "shm":
-        words = shm.signature("reduce_scatter", seq, inp.dtype, inp.numel(), red.name,
-                              extra=shm.counts_hash(counts))
+        words = signature("reduce_scatter", seq, inp.dtype, inp.numel(), red.name,
+                              extra=counts_hash(counts))
         shm.reduce_scatter(comm.arena, out, inp, counts, red, words, deadline, _what("reduce_scatter", seq))
     else:
         sig = Signature("reduce_scatter", seq, dtype_name(inp.dtype), inp.numel(), red.name)
@@ -166,7 +167,7 @@ def reduce_scatter(comm, out: torch.Tensor, inp: torch.Tensor, counts: tuple[int
 def all_to_all(comm, out: torch.Tensor, inp: torch.Tensor, send_counts: tuple[int, ...],
                recv_counts: tuple[int, ...], seq: int, deadline: float) -> None:
     if comm.mode == "shm":
-        words = shm.signature("all_to_all", seq, inp.dtype, comm.world)
+        words = signature("all_to_all", seq, inp.dtype, comm.world)
         shm.all_to_all(comm.arena, out, inp, send_counts, recv_counts, words, deadline,
                        _what("all_to_all", seq))
         return
@@ -179,7 +180,7 @@ def all_to_all(comm, out: torch.Tensor, inp: torch.Tensor, send_counts: tuple[in
 
 def barrier(comm, seq: int, deadline: float) -> None:
     what = _what("barrier", seq)
-    words = shm.signature("barrier", seq, torch.uint8, 0)
+    words = signature("barrier", seq, torch.uint8, 0)
     if comm.mode == "shm":
         shm.barrier(comm.arena, words, deadline, what)
         return

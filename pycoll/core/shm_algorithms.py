@@ -30,9 +30,6 @@ on every rank, never a hang or a wrong result.
 
 from __future__ import annotations
 
-import time
-import zlib
-
 import numpy as np
 import torch
 
@@ -40,23 +37,18 @@ from pycoll.algorithms.schedule import chunks, displacements
 from pycoll.core import kernels
 from pycoll.core.kernels import copy
 from pycoll.core.reductions import Reduction
+from pycoll.core.shm_rounds import (
+    ONE_SHOT_BYTES,
+    Barriers,
+    rounds,
+)
 from pycoll.errors import MismatchError
 from pycoll.transport.shm.arena import ShmArena
 
-ONE_SHOT_BYTES = 64 << 10
 # Two-rank all_reduce rounds of 1 MiB rather than the whole 4 MiB slot: medians of 6 runs
 # each, 2026-12-03, busbw at 4 / 16 / 64 MiB: 6.5 / 4.9 / 5.7 GB/s against 5.1 / 4.1 / 3.5
 # with 4 MiB rounds (512 KiB rounds: 5.7 / 5.3 / 6.2; 2 MiB: 4.6 / 4.3 / 4.9).
 PAIR_ROUND_BYTES = 1 << 20
-OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "gather", "scatter", "reduce_scatter",
-       "all_to_all", "barrier")
-DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-          torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128)
-REDOPS = ("", "sum", "product", "min", "max", "band", "bor", "bxor", "avg", "premul_sum")
-
-
-# Word values by name: a dict lookup costs a third of tuple.index on the latency path.
-_OP_WORD, _DTYPE_WORD, _REDOP_WORD = ({v: i for i, v in enumerate(names)} for names in (OPS, DTYPES, REDOPS))
 _FLOAT16 = torch.float16   # (a module global: read on every small all_reduce)
 # numpy computes float16 in software (230 us against torch's 5 us at 32768 elements): the
 # numpy round reduces float16 only up to this many elements.
@@ -70,99 +62,18 @@ def _numpy_reduces(red: Reduction, n: int, dtype: torch.dtype) -> bool:
     return red.ufunc is not None and (n <= _NP_FLOAT16_MAX or dtype is not _FLOAT16)
 
 
-def signature(op: str, seq: int, dtype: torch.dtype, numel: int, redop: str = "", root: int = -1,
-              extra: int = 0) -> tuple[int, ...]:
-    return (_OP_WORD[op], seq, _DTYPE_WORD[dtype], numel, _REDOP_WORD[redop], root, extra)
-
-
-def words_nbytes(words: tuple[int, ...]) -> int:
-    """Bytes of the message a signature describes (its numel x its dtype's size)."""
-    return words[3] * DTYPES[words[2]].itemsize if words else 0
-
-
-def describe(words: tuple[int, ...]) -> str:
-    op, seq, dt, numel, red, root, _ = words
-    try:
-        text = f"{OPS[op]}(seq={seq}, dtype={str(DTYPES[dt]).removeprefix('torch.')}, numel={numel}"
-    except IndexError:
-        return f"<unknown collective {words}>"
-    return text + (f", op={REDOPS[red]}" if red else "") + (f", root={root}" if root >= 0 else "") + ")"
-
-
-def counts_hash(counts) -> int:
-    return zlib.crc32(repr(tuple(counts)).encode())
-
-
-def _rounds(n: int, cap: int):
-    """(offset, count) of each round; a zero-size collective still has one round."""
-    if n == 0:
-        yield 0, 0
-        return
-    for off in range(0, n, cap):
-        yield off, min(cap, n - off)
-
-
-class _Barriers:
-    """The first barrier of a collective also checks everyone's signature."""
-
-    __slots__ = ("arena", "words", "deadline", "what", "first", "round0", "on_barrier", "count", "t")
-
-    def __init__(self, arena: ShmArena, words: tuple[int, ...], deadline: float, what: str) -> None:
-        self.arena, self.words, self.deadline, self.what = arena, words, deadline, what
-        self.first = True
-        arena.publish(words)
-        arena.pending, self.round0, self.on_barrier = self, arena.rounds, arena.on_barrier
-        if self.on_barrier is not None:
-            self.count, self.t = 0, time.monotonic()
-
-    def __call__(self) -> None:
-        if self.on_barrier is not None:
-            return self._observed()
-        self.arena.sync(self.deadline, self.what)
-        if self.first:
-            self.first = False
-            self.arena.check_signatures(self.words, describe)
-
-    def _observed(self) -> None:
-        """A barrier, told to the observers with the copy/reduce phase before it."""
-        a, t0 = self.arena, time.monotonic()
-        a.sync(self.deadline, self.what)
-        if self.first:
-            self.first = False
-            a.check_signatures(self.words, describe)
-        t1 = time.monotonic()
-        self.count += 1
-        rnd = a.rounds - self.round0
-        self.on_barrier(self.words, self.count, rnd, round_bytes(self.words, rnd, a.slot_bytes, a.size),
-                        self.t, t0, t1)
-        self.t = t1
-
-
-def round_bytes(words, rnd: int, slot_bytes: int, size: int) -> int | None:
-    """Bytes each rank stages in round ``rnd`` (1-based) of a collective; None: not known here."""
-    op, numel, isz = OPS[words[0]], words[3], DTYPES[words[2]].itemsize
-    if op == "barrier":
-        return 0
-    if op in ("reduce_scatter", "all_to_all"):
-        return None     # per-rank counts travel only as a hash
-    cap = slot_bytes // isz // (size if op == "scatter" else 1)
-    if op == "all_reduce" and numel * isz <= min(ONE_SHOT_BYTES, slot_bytes):
-        cap = numel
-    return max(0, min(cap, numel - (rnd - 1) * cap)) * isz
-
-
 def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float, what: str) -> None:
     if is_small_all_reduce(arena, t, red):
         return small_all_reduce(arena, t, red, words, deadline, what)
     n, dt = t.numel(), t.dtype
-    barrier = _Barriers(arena, words, deadline, what)
+    barrier = Barriers(arena, words, deadline, what)
     L, me = arena.size, arena.me
     if L == 2 and n * dt.itemsize > ONE_SHOT_BYTES:
         return _all_reduce_pair(arena, t, red, barrier)
     if L <= 2 or n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):
         # One-shot rounds (small messages without a numpy kernel, or one rank): every rank
         # reduces the whole round, in rank order, straight into its output; one barrier.
-        for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
+        for off, c in rounds(n, arena.slot_bytes // dt.itemsize):
             p = arena.next_parity()
             slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
             copy(slots[me], t[off:off + c])
@@ -173,7 +84,7 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
                 for q in range(2, L):
                     red.reduce(out, slots[q])
         return
-    for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
+    for off, c in rounds(n, arena.slot_bytes // dt.itemsize):
         p = arena.next_parity()
         slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
         copy(slots[me], t[off:off + c])
@@ -199,7 +110,7 @@ def is_small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction) -> boo
 def small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float,
                      what: str) -> None:
     """One round in numpy, for the calls that ``is_small_all_reduce`` accepts."""
-    barrier = _Barriers(arena, words, deadline, what)
+    barrier = Barriers(arena, words, deadline, what)
     tn = kernels.numpy_at(t)
     # (Exactly one parity step per round: skipping one would let a rank overwrite a slot
     # half that a slower peer is still reading.)
@@ -236,7 +147,7 @@ def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) 
     else:
         buf = t
         slots, put, combine = (lambda p: (arena.slot(0, p, dt), arena.slot(1, p, dt))), copy, red.combine
-    for off, c in _rounds(t.numel(), min(arena.slot_bytes, PAIR_ROUND_BYTES) // dt.itemsize):
+    for off, c in rounds(t.numel(), min(arena.slot_bytes, PAIR_ROUND_BYTES) // dt.itemsize):
         both = slots(arena.next_parity())
         mine, peer = both[me], both[1 - me]
         halves = chunks(c, 2)
@@ -254,8 +165,8 @@ def reduce(arena: ShmArena, src: torch.Tensor, out: torch.Tensor | None, root: i
            words, deadline: float, what: str) -> None:
     """``src`` is this rank's contribution; the root's result goes to ``out``."""
     L, me, dt = arena.size, arena.me, src.dtype
-    barrier = _Barriers(arena, words, deadline, what)
-    for off, c in _rounds(src.numel(), arena.slot_bytes // dt.itemsize):
+    barrier = Barriers(arena, words, deadline, what)
+    for off, c in rounds(src.numel(), arena.slot_bytes // dt.itemsize):
         p = arena.next_parity()
         slots = [arena.slot(q, p, dt)[:c] for q in range(L)]
         copy(slots[me], src[off:off + c])
@@ -272,8 +183,8 @@ def reduce(arena: ShmArena, src: torch.Tensor, out: torch.Tensor | None, root: i
 
 
 def broadcast(arena: ShmArena, t: torch.Tensor, root: int, words, deadline: float, what: str) -> None:
-    barrier = _Barriers(arena, words, deadline, what)
-    for off, c in _rounds(t.numel(), arena.slot_bytes // t.dtype.itemsize):
+    barrier = Barriers(arena, words, deadline, what)
+    for off, c in rounds(t.numel(), arena.slot_bytes // t.dtype.itemsize):
         p = arena.next_parity()
         slot = arena.slot(root, p, t.dtype)[:c]
         if arena.me == root:
@@ -287,7 +198,7 @@ def all_gather(arena: ShmArena, out: torch.Tensor | None, inp: torch.Tensor, roo
                deadline: float, what: str) -> None:
     """All-gather (``root`` < 0) or gather to ``root``: block q of ``out`` is rank q's input."""
     L, me, dt, n = arena.size, arena.me, inp.dtype, inp.numel()
-    barrier = _Barriers(arena, words, deadline, what)
+    barrier = Barriers(arena, words, deadline, what)
     nbytes = n * dt.itemsize
     if nbytes <= ONE_SHOT_BYTES and nbytes <= arena.slot_bytes and dt in kernels.NUMPY_VIEWABLE:
         # One round in numpy, as small_all_reduce: four torch slices and copies a peer cost
@@ -301,7 +212,7 @@ def all_gather(arena: ShmArena, out: torch.Tensor | None, inp: torch.Tensor, roo
             for q in range(L):
                 dst[q * n:(q + 1) * n] = slots[q]
         return
-    for off, c in _rounds(n, arena.slot_bytes // dt.itemsize):
+    for off, c in rounds(n, arena.slot_bytes // dt.itemsize):
         p = arena.next_parity()
         copy(arena.slot(me, p, dt)[:c], inp[off:off + c])
         barrier()
@@ -313,9 +224,9 @@ def all_gather(arena: ShmArena, out: torch.Tensor | None, inp: torch.Tensor, roo
 def scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor | None, root: int, words,
             deadline: float, what: str) -> None:
     L, me, dt, n = arena.size, arena.me, out.dtype, out.numel()
-    barrier = _Barriers(arena, words, deadline, what)
+    barrier = Barriers(arena, words, deadline, what)
     region = arena.slot_bytes // dt.itemsize // L
-    for off, c in _rounds(n, region):
+    for off, c in rounds(n, region):
         p = arena.next_parity()
         slot = arena.slot(root, p, dt)
         if me == root:
@@ -328,7 +239,7 @@ def scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor | None, root: 
 def reduce_scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, counts: tuple[int, ...],
                    red: Reduction, words, deadline: float, what: str) -> None:
     L, me, dt = arena.size, arena.me, inp.dtype
-    barrier = _Barriers(arena, words, deadline, what)
+    barrier = Barriers(arena, words, deadline, what)
     region = arena.slot_bytes // dt.itemsize // L
     disp = displacements(list(counts))
     c = counts[me]
@@ -347,7 +258,7 @@ def reduce_scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, counts
         else:
             _np_reduce_in_order(red, parts, dst)
         return
-    for off, _ in _rounds(max(counts, default=0), region):
+    for off, _ in rounds(max(counts, default=0), region):
         p = arena.next_parity()
         mine = arena.slot(me, p, dt)
         for q in range(L):
@@ -364,7 +275,7 @@ def reduce_scatter(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, counts
 def all_to_all(arena: ShmArena, out: torch.Tensor, inp: torch.Tensor, send_counts: tuple[int, ...],
                recv_counts: tuple[int, ...], words, deadline: float, what: str) -> None:
     L, me, dt = arena.size, arena.me, inp.dtype
-    barrier = _Barriers(arena, words, deadline, what)
+    barrier = Barriers(arena, words, deadline, what)
     # Word 7 (not compared) carries each rank's largest block: all ranks need the global
     # maximum to agree on the number of rounds.
     arena.publish(words + (max(send_counts, default=0),), new_op=False)
@@ -407,4 +318,4 @@ def _check_split_sizes(arena: ShmArena, parity: int, recv_counts: tuple[int, ...
 
 
 def barrier(arena: ShmArena, words, deadline: float, what: str) -> None:
-    _Barriers(arena, words, deadline, what)()
+    Barriers(arena, words, deadline, what)()

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from pycoll.algorithms.schedule import chunks, displacements
-from pycoll.core.shm_algorithms import counts_hash, describe, signature
+from pycoll.core.shm_rounds import counts_hash, describe, signature
 from pycoll.transport.shm.arena import ShmArena
 
 ONE_SHOT_BYTES = 256 << 10

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from typing import Sequence
 
 from pycoll.core.observer import Observer
-from pycoll.core.shm_algorithms import words_nbytes
+from pycoll.core.shm_rounds import words_nbytes
 from pycoll.transport.base import InFrame, OutFrame, Transport
 from pycoll.wire import decode_header, header_length
 

@@ -21,8 +21,9 @@ import threading
 import time
 import weakref
 
-from pycoll.core import shm_algorithms as shm
+from pycoll import wire
 from pycoll.core.observer import Observer
+from pycoll.core.shm_rounds import describe as describe_words
 
 log = logging.getLogger("pycoll")
 _live: "weakref.WeakSet" = weakref.WeakSet()
@@ -110,10 +111,10 @@ def _schedule_state(sched, isz: int, i: int, progress: str | None, ranks: list[i
 
 def _shm_state(st: dict) -> str:
     words, rnd = st["words"], st["rounds"]
-    text = f"shared memory {shm.describe(words)}: round {rnd}"
-    op, numel, dtype = words[0], words[3], shm.DTYPES[words[2]]
-    if shm.OPS[op] in ("all_reduce", "broadcast", "reduce", "all_gather", "gather"):
-        total = numel * dtype.itemsize
+    text = f"shared memory {describe_words(words)}: round {rnd}"
+    sig = wire.unpack(words)
+    if sig is not None and sig.op in ("all_reduce", "broadcast", "reduce", "all_gather", "gather"):
+        total = wire.nbytes(sig)
         cap = st["slot_bytes"]
         text += (f" of {max(1, -(-total // cap))}, {min(total, max(0, rnd - 1) * cap)} of {total} bytes "
                  f"(per rank) in earlier rounds")

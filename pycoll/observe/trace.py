@@ -26,8 +26,8 @@ import threading
 
 from pycoll.algorithms.schedule import Copy, Recv, RecvReduce, Reduce, Send
 from pycoll.core.observer import Observer
-from pycoll.core.shm_algorithms import OPS
 from pycoll.observe.clock import offset_of
+from pycoll.wire import OPS
 
 ENV_TRACE, ENV_DEBUG = "PYCOLL_TRACE", "PYCOLL_DEBUG"
 TRACE = 5

@@ -30,6 +30,8 @@ from collections import deque
 from pycoll import callbacks
 from pycoll.errors import CommError, CommTimeoutError, PeerClosedError, ProtocolError
 from pycoll.transport.base import control_error
+from pycoll.transport.frames import control_reason, next_frame
+from pycoll.transport.p2p_requests import ANY, Discard, Incoming, Request, write
 from pycoll.transport.tcp.transport import Conn
 from pycoll.wire import (
     ABORT,
@@ -37,77 +39,12 @@ from pycoll.wire import (
     Header,
     Signature,
     control_frame,
-    control_payload_length,
-    decode_header,
-    header_length,
 )
 
 log = logging.getLogger("pycoll")
 
-ANY = -1
 MAX_POLL_S = 60.0   # the progress thread's longest sleep: poll() takes int milliseconds
 MAX_UNEXPECTED_BYTES = int(os.environ.get("PYCOLL_MAX_UNEXPECTED_BYTES", 1 << 30))
-_SINK = 64 << 10
-
-
-class Request:
-    """One posted send or receive. The engine finishes it under its lock (``done``,
-    ``error``, ``source``) and calls ``on_done(request)`` once afterwards, holding no lock."""
-
-    __slots__ = ("kind", "peer", "tag", "sig", "buf", "deadline", "done", "error", "source",
-                 "on_done", "off", "header", "pos")
-
-    def __init__(self, kind, peer, tag, sig, buf, deadline, on_done=None):
-        self.kind, self.peer, self.tag, self.sig, self.buf = kind, peer, tag, sig, buf
-        self.deadline = deadline
-        self.done = threading.Event()
-        self.error: BaseException | None = None
-        self.source = peer
-        self.on_done = on_done
-        self.off = 0
-
-    def describe(self) -> str:
-        who = "any rank" if self.peer == ANY else f"rank {self.peer}"
-        verb = "send to" if self.kind == "send" else "recv from"
-        return f"{verb} {who} (tag {self.tag}, {self.sig.dtype}[{self.sig.numel}])"
-
-
-def _write(sock: socket.socket, req: Request) -> bool:
-    """Send what the (non-blocking) socket takes of ``req``'s frame from ``req.off`` on;
-    True once all of it has gone."""
-    hl = len(req.header)
-    iov = [req.header[req.off:], req.buf] if req.off < hl else [req.buf[req.off - hl:]]
-    req.off += sock.sendmsg(iov)
-    return req.off == hl + len(req.buf)
-
-
-class _Incoming:
-    """A frame being read: into a posted request's buffer, or into a fresh unexpected buffer."""
-
-    __slots__ = ("req", "hdr", "dest", "off", "discard")
-
-    def __init__(self, req, hdr, dest, discard=False):
-        self.req, self.hdr, self.dest, self.off, self.discard = req, hdr, dest, 0, discard
-
-
-class _Discard:
-    """Stands in for a destination buffer when a payload is read only to be dropped."""
-
-    __slots__ = ("n", "sink")
-
-    def __init__(self, n: int) -> None:
-        self.n, self.sink = n, memoryview(bytearray(min(n, _SINK)))
-
-    def __len__(self) -> int:
-        return self.n
-
-    def __getitem__(self, sl: slice) -> memoryview:
-        start = sl.start or 0
-        stop = self.n if sl.stop is None else sl.stop
-        return self.sink[:min(stop - start, len(self.sink))]
-
-    def __setitem__(self, sl: slice, data) -> None:
-        pass
 
 
 class P2PEngine:
@@ -122,7 +59,7 @@ class P2PEngine:
         self._sends: dict[int, deque[Request]] = {p: deque() for p in socks}
         self._posted: list[Request] = []
         self._unexpected: deque[tuple[int, int, Header, memoryview]] = deque()  # (order, peer, hdr, data)
-        self._reading: dict[int, _Incoming] = {}
+        self._reading: dict[int, Incoming] = {}
         self._order = itertools.count()
         self._unexpected_bytes = 0
         self.max_unexpected = MAX_UNEXPECTED_BYTES
@@ -161,7 +98,7 @@ class P2PEngine:
         progress thread costs a wake-up, and waits for the GIL as long as the caller keeps
         it (docs/performance.md, "point-to-point")."""
         try:
-            return _write(self.conns[req.peer].sock, req)
+            return write(self.conns[req.peer].sock, req)
         except OSError:   # full (BlockingIOError), or broken: the progress thread takes over
             return False
 
@@ -322,7 +259,7 @@ class P2PEngine:
         q, sock = self._sends[p], self.conns[p].sock
         while q:
             try:
-                if not _write(sock, q[0]):
+                if not write(sock, q[0]):
                     return
             except BlockingIOError:
                 return
@@ -333,21 +270,17 @@ class P2PEngine:
         while True:
             inc = self._reading.get(p)
             if inc is None:
-                avail = conn.rend - conn.rpos
-                if avail >= 4:
-                    hlen = header_length(conn.rbuf[conn.rpos:conn.rpos + 4])
-                    if avail >= 4 + hlen:
-                        hdr = decode_header(conn.rbuf[conn.rpos + 4:conn.rpos + 4 + hlen])
-                        if hdr.kind == DATA:
-                            conn.rpos += 4 + hlen
-                            self._reading[p] = self._match(p, hdr)
-                            continue
-                        # A control frame (the peer stopped, and says why): raise its reason.
-                        start = conn.rpos + 4 + hlen
-                        plen = control_payload_length(hdr)
-                        if avail >= 4 + hlen + plen:
-                            payload = bytes(conn.rbuf[start:start + plen])
-                            raise control_error(hdr, payload, self.rank, p, f"point-to-point with rank {p}")
+                what = f"point-to-point with rank {p}"
+                nxt = next_frame(conn, self.rank, p, what)
+                if nxt is not None:
+                    if nxt.header.kind == DATA:
+                        conn.rpos = nxt.start
+                        self._reading[p] = self._match(p, nxt.header)
+                        continue
+                    # A control frame (the peer stopped, and says why): raise its reason.
+                    reason = control_reason(conn.rbuf, nxt, conn.rend, False)
+                    if reason is not None:
+                        raise control_error(nxt.header, reason, self.rank, p, what)
                 if conn.fill() == 0:
                     return
                 continue
@@ -381,7 +314,7 @@ class P2PEngine:
                     self._unexpected.append((next(self._order), p, inc.hdr, inc.dest))
 
 
-    def _match(self, p: int, hdr: Header) -> "_Incoming":
+    def _match(self, p: int, hdr: Header) -> "Incoming":
         """Route an arriving frame: into a matching posted receive, or keep it as unexpected."""
         if hdr.kind != DATA or hdr.sig.op != "p2p":
             raise ProtocolError(f"rank {self.rank}: non-p2p frame on the p2p channel from rank {p}",
@@ -390,16 +323,16 @@ class P2PEngine:
             if req.peer in (ANY, p) and req.tag == hdr.sig.seq:
                 self._posted.remove(req)
                 if hdr.nbytes == len(req.buf) and hdr.sig.dtype == req.sig.dtype:
-                    return _Incoming(req, hdr, req.buf)
+                    return Incoming(req, hdr, req.buf)
                 # Drain the payload, then fail only this request: the stream stays usable.
                 self._finish(req, self._size_error(req, p, hdr))
                 if hdr.nbytes > self.max_unexpected:
                     raise self._too_big(p, hdr)
-                return _Incoming(None, hdr, _Discard(hdr.nbytes), discard=True)
+                return Incoming(None, hdr, Discard(hdr.nbytes), discard=True)
         if hdr.nbytes > self.max_unexpected - self._unexpected_bytes:
             raise self._too_big(p, hdr)
         self._unexpected_bytes += hdr.nbytes
-        return _Incoming(None, hdr, memoryview(bytearray(hdr.nbytes)))
+        return Incoming(None, hdr, memoryview(bytearray(hdr.nbytes)))
 
     def _too_big(self, p: int, hdr: Header) -> ProtocolError:
         return ProtocolError(

@@ -36,15 +36,13 @@ from pycoll.errors import (
     ProtocolError,
 )
 from pycoll.transport.base import control_error
+from pycoll.transport.frames import control_reason, frames, garbage, next_frame
 from pycoll.transport.tcp.conn import READ_AHEAD, Conn, RecvState, SendState
 from pycoll.wire import (
     ABORT,
     BYE,
     DATA,
     control_frame,
-    control_payload_length,
-    decode_header,
-    header_length,
 )
 
 DEAD_PEER_GRACE = 1.0     # seconds between an idle connection's EOF and calling its peer dead
@@ -101,17 +99,11 @@ class FailureHandling:
             return self._inspect(conn, what)
         except OSError:
             return
-        if conn.rend - conn.rpos < 4:
-            return
         peer = conn.peer
-        try:
-            hlen = header_length(conn.rbuf[conn.rpos:conn.rpos + 4])
-            if conn.rend - conn.rpos < 4 + hlen:
-                return
-            got = decode_header(conn.rbuf[conn.rpos + 4:conn.rpos + 4 + hlen])
-        except ProtocolError as exc:
-            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got garbage from rank "
-                                f"{self._g(peer)}: {exc}", rank=self._g(self.rank), peer=self._g(peer)) from None
+        nxt = next_frame(conn, self._g(self.rank), self._g(peer), what)
+        if nxt is None:
+            return
+        got = nxt.header
         if got.kind != DATA:
             return self._inspect(conn, what)
         cur = self._cur
@@ -138,28 +130,22 @@ class FailureHandling:
             pass
         except OSError:
             conn.eof = True
-        pos, peer = conn.rpos, conn.peer
-        while conn.rend - pos >= 4:
-            try:
-                hlen = header_length(conn.rbuf[pos:pos + 4])
-                if conn.rend - pos < 4 + hlen:
-                    break
-                got = decode_header(conn.rbuf[pos + 4:pos + 4 + hlen])
-                if got.kind == DATA:
-                    pos += 4 + hlen + got.nbytes
+        peer = conn.peer
+        try:
+            for f in frames(conn.rbuf, conn.rpos, conn.rend):
+                if f.header.kind == DATA:
                     continue
-                plen = control_payload_length(got)
-            except ProtocolError as exc:
-                raise ProtocolError(f"{what}: rank {self._g(self.rank)} got garbage from rank {self._g(peer)}: {exc}",
-                                    rank=self._g(self.rank), peer=self._g(peer)) from None
-            if got.kind == BYE:
-                conn.bye = True
-                return
-            start = pos + 4 + hlen
-            if conn.rend - start < plen and not conn.eof:
-                break
-            raise control_error(got, bytes(conn.rbuf[start:min(conn.rend, start + plen)]),
-                                self._g(self.rank), self._g(peer), what)
+                if f.header.kind == BYE:
+                    conn.bye = True
+                    return
+                reason = control_reason(conn.rbuf, f, conn.rend, conn.eof)
+                if reason is None:
+                    break
+                raise control_error(f.header, reason, self._g(self.rank), self._g(peer), what)
+        except ProtocolError as exc:
+            if isinstance(exc, CommError) and exc.peer >= 0:
+                raise
+            raise garbage(self._g(self.rank), self._g(peer), what, exc) from None
         if conn.eof and not conn.bye:
             conn.eof_at = time.monotonic()
 

@@ -30,6 +30,7 @@ from pycoll.transport.base import (
     check_header,
     control_error,
 )
+from pycoll.transport.frames import control_reason, next_frame
 from pycoll.transport.tcp.conn import IOV_BATCH, READ_AHEAD, Conn, RecvState, SendState
 from pycoll.transport.tcp.failure import (
     ABORT_GRACE,
@@ -43,7 +44,6 @@ from pycoll.wire import (
     ABORT,
     BYE,
     DATA,
-    control_payload_length,
     decode_header,
     header_length,
 )
@@ -217,27 +217,25 @@ class TcpTransport(FailureHandling, Transport):
                 if not st.frames:
                     del recvs[peer]
                     return True
-                avail = conn.rend - conn.rpos
-                if avail >= 4:
-                    hlen = self._header_length(conn, peer, what)
-                    if avail >= 4 + hlen:
-                        got = self._decode(conn, hlen, peer, what)
-                        if got.kind != DATA:
-                            if self._control(conn, got, hlen, peer, what):
-                                continue  # more bytes of the control frame arrived
-                            return progressed
-                        f = st.frames.popleft()
-                        check_header(f.expect, got, self._g(self.rank), self._g(peer))
-                        conn.rpos += 4 + hlen
-                        st.cur, st.off = f, 0
-                        progressed = True
-                        # Payload bytes already read ahead are copied out first.
-                        take = min(conn.rend - conn.rpos, len(f.dest))
-                        if take:
-                            f.dest[:take] = conn.rbuf[conn.rpos:conn.rpos + take]
-                            conn.rpos += take
-                            st.off = take
-                        continue
+                nxt = next_frame(conn, self._g(self.rank), self._g(peer), what)
+                if nxt is not None:
+                    got = nxt.header
+                    if got.kind != DATA:
+                        if self._control(conn, nxt, peer, what):
+                            continue  # more bytes of the control frame arrived
+                        return progressed
+                    f = st.frames.popleft()
+                    check_header(f.expect, got, self._g(self.rank), self._g(peer))
+                    conn.rpos = nxt.start
+                    st.cur, st.off = f, 0
+                    progressed = True
+                    # Payload bytes already read ahead are copied out first.
+                    take = min(conn.rend - conn.rpos, len(f.dest))
+                    if take:
+                        f.dest[:take] = conn.rbuf[conn.rpos:conn.rpos + take]
+                        conn.rpos += take
+                        st.off = take
+                    continue
                 if conn.fill() == 0:
                     return progressed
                 progressed = True
@@ -260,35 +258,17 @@ class TcpTransport(FailureHandling, Transport):
             if f.on_done is not None:
                 f.on_done()
 
-    def _header_length(self, conn: Conn, peer: int, what: str) -> int:
-        try:
-            return header_length(conn.rbuf[conn.rpos:conn.rpos + 4])
-        except ProtocolError as exc:
-            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got garbage from rank {self._g(peer)}: {exc}",
-                                rank=self._g(self.rank), peer=self._g(peer)) from None
-
-    def _decode(self, conn: Conn, hlen: int, peer: int, what: str):
-        try:
-            return decode_header(conn.rbuf[conn.rpos + 4:conn.rpos + 4 + hlen])
-        except ProtocolError as exc:
-            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got garbage from rank {self._g(peer)}: {exc}",
-                                rank=self._g(self.rank), peer=self._g(peer)) from None
-
-    def _control(self, conn: Conn, got, hlen: int, peer: int, what: str) -> bool:
+    def _control(self, conn: Conn, nxt, peer: int, what: str) -> bool:
         """An ABORT or BYE frame where a data frame was expected: raise once it is complete.
 
         Returns whether more of it arrived (False: wait for the socket)."""
-        if got.kind not in (ABORT, BYE):
-            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got a frame of unknown kind {got.kind} "
-                                f"from rank {self._g(peer)}", rank=self._g(self.rank), peer=self._g(peer))
-        try:
-            plen = control_payload_length(got)
-        except ProtocolError as exc:
-            raise ProtocolError(f"{what}: rank {self._g(peer)}: {exc}", rank=self._g(self.rank), peer=self._g(peer)) from None
-        start = conn.rpos + 4 + hlen
-        if conn.rend - start >= plen or conn.eof:
-            payload = bytes(conn.rbuf[start:min(conn.rend, start + plen)])
-            raise control_error(got, payload, self._g(self.rank), self._g(peer), what)
+        if nxt.header.kind not in (ABORT, BYE):
+            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got a frame of unknown kind "
+                                f"{nxt.header.kind} from rank {self._g(peer)}", rank=self._g(self.rank),
+                                peer=self._g(peer))
+        reason = control_reason(conn.rbuf, nxt, conn.rend, conn.eof)
+        if reason is not None:
+            raise control_error(nxt.header, reason, self._g(self.rank), self._g(peer), what)
         try:
             return conn.fill() > 0
         except EOFError:

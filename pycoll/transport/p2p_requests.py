@@ -1,0 +1,75 @@
+"""What the point-to-point engine tracks: posted requests, and the frame it is reading.
+
+``Request``: a posted send or receive. ``Incoming``: a frame being read, into a posted
+receive's buffer, a fresh buffer (an unexpected message) or ``Discard`` (a payload drained
+because it does not fit the receive that matched it, read through a small fixed buffer and
+never allocated whole). ``write``: as much of a send's frame as a non-blocking socket takes.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+ANY = -1           # the peer of a receive from any source
+SINK = 64 << 10
+
+
+class Request:
+    """One posted send or receive. The engine finishes it under its lock (``done``,
+    ``error``, ``source``) and calls ``on_done(request)`` once afterwards, holding no lock."""
+
+    __slots__ = ("kind", "peer", "tag", "sig", "buf", "deadline", "done", "error", "source",
+                 "on_done", "off", "header", "pos")
+
+    def __init__(self, kind, peer, tag, sig, buf, deadline, on_done=None):
+        self.kind, self.peer, self.tag, self.sig, self.buf = kind, peer, tag, sig, buf
+        self.deadline = deadline
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        self.source = peer
+        self.on_done = on_done
+        self.off = 0
+
+    def describe(self) -> str:
+        who = "any rank" if self.peer == ANY else f"rank {self.peer}"
+        verb = "send to" if self.kind == "send" else "recv from"
+        return f"{verb} {who} (tag {self.tag}, {self.sig.dtype}[{self.sig.numel}])"
+
+
+def write(sock: socket.socket, req: Request) -> bool:
+    """Send what the (non-blocking) socket takes of ``req``'s frame from ``req.off`` on;
+    True once all of it has gone."""
+    hl = len(req.header)
+    iov = [req.header[req.off:], req.buf] if req.off < hl else [req.buf[req.off - hl:]]
+    req.off += sock.sendmsg(iov)
+    return req.off == hl + len(req.buf)
+
+
+class Incoming:
+    """A frame being read: into a posted request's buffer, or into a fresh unexpected buffer."""
+
+    __slots__ = ("req", "hdr", "dest", "off", "discard")
+
+    def __init__(self, req, hdr, dest, discard=False):
+        self.req, self.hdr, self.dest, self.off, self.discard = req, hdr, dest, 0, discard
+
+
+class Discard:
+    """Stands in for a destination buffer when a payload is read only to be dropped."""
+
+    __slots__ = ("n", "sink")
+
+    def __init__(self, n: int) -> None:
+        self.n, self.sink = n, memoryview(bytearray(min(n, SINK)))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, sl: slice) -> memoryview:
+        start = sl.start or 0
+        stop = self.n if sl.stop is None else sl.stop
+        return self.sink[:min(stop - start, len(self.sink))]
+
+    def __setitem__(self, sl: slice, data) -> None:
+        pass

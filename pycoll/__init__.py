@@ -62,7 +62,21 @@ def set_algorithm(collective: str, name: str, group=None) -> None:
     pg.communicator.tuner.overrides[collective] = name
 
 
+def shrink(group=None, exclude=(), flags: int = 0):
+    """The group of ``group``'s ranks but ``exclude``, in-process, for the ranks that stay.
+
+    ``dist.shrink_group`` on a torch that has it (the returned group replaces ``group``; the
+    new default group if ``group`` is the default), the same steps otherwise. Call it on
+    every remaining rank, typically after a collective failed naming the dead ``exclude``
+    rank (docs/faults.md, "Surviving a failure"). ``flags=1`` (SHRINK_ABORT) fails the old
+    group's outstanding operations first.
+    """
+    pg = group if group is not None else torch_compat.default_group()
+    excluded = sorted({int(r) for r in exclude})
+    return torch_compat.shrink_group(pg, excluded, flags, lambda: pg.shrink(excluded, flags))
+
+
 _register()
 
 __all__ = ["ProcessGroupPycoll", "PycollError", "CommError", "CommTimeoutError", "PeerClosedError",
-           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "set_algorithm", "stats", "PartialAllReduce", "BACKEND_NAME"]
+           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "set_algorithm", "shrink", "stats", "PartialAllReduce", "BACKEND_NAME"]

@@ -133,6 +133,41 @@ def _wrap_create_shrunk_process_group() -> None:
     c10d._create_shrunk_process_group = _create_shrunk_process_group
 
 
+def shrink_group(pg, excluded: list[int], flags: int, build):
+    """torch's ``dist.shrink_group`` where this torch has it; else the same steps by hand.
+
+    ``build()`` makes the new pycoll group (``pg.shrink``). By hand, on a torch without
+    ``shrink_group``: register the new group as torch's ``new_group`` does (its name, its
+    ranks' global numbers, the default group when ``pg`` was the default), then destroy ``pg``.
+    """
+    torch_shrink = getattr(dist, "shrink_group", None)
+    if torch_shrink is not None:
+        return torch_shrink(sorted(excluded), group=pg, shrink_flags=flags)
+    world = _need(c10d, "_world", "the table of process groups")
+    is_default = pg is default_group()
+    old_global = dist.get_process_group_ranks(pg)
+    backend_name, store = world.pg_map[pg]
+    new = build()
+    remaining = [g for i, g in enumerate(old_global) if i not in set(excluded)]
+    name = f"{world.pg_names.get(pg, 'pycoll')}:shrunk:{getattr(pg, '_shrinks', 1)}"
+    new._set_group_name(name)
+    dist.destroy_process_group(pg)
+    if is_default:
+        update = getattr(c10d, "_update_default_pg", None)
+        update(new) if update is not None else setattr(world, "default_pg", new)
+        remaining = list(range(len(remaining)))   # the shrunk default group renumbers the world
+    world.pg_map[new] = (backend_name, store)
+    world.pg_names[new] = name
+    world.pg_backend_config[new] = backend_name
+    world.pg_group_ranks[new] = {g: i for i, g in enumerate(remaining)}
+    world.tags_to_pg.setdefault(f"ptd:{name}", []).append(new)
+    world.pg_to_tag[new] = f"ptd:{name}"
+    register = getattr(c10d, "_register_process_group", None)
+    if register is not None:
+        register(name, new)
+    return new
+
+
 def install() -> None:
     """Wrap the torch functions above (idempotent; called by ``import pycoll``)."""
     _wrap_set_pg_timeout()

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from pycoll import observe, rendezvous
-from pycoll.c10d import cpu, p2p, plans
+from pycoll.c10d import cpu, p2p, plans, shrink
 from pycoll.c10d.lookups import DeviceLookups
 from pycoll.core.communicator import Communicator
 from pycoll.core.work import Work, completed
@@ -169,6 +169,11 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
         if self._cuda is not None:
             self._cuda.close(True)
         self._comm.shutdown(abort=True)
+
+    def shrink(self, ranks_to_exclude, shrink_flags: int = 0, opts=None):
+        """c10d's ``Backend.shrink``, which ``dist.shrink_group`` calls: the remaining ranks'
+        new group (``pycoll.c10d.shrink``)."""
+        return shrink.shrink(self, ranks_to_exclude, shrink_flags, opts)
 
     # -- running a plan ----------------------------------------------------------------------
     def _call(self, builder, opts, *args) -> Work:

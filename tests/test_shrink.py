@@ -1,0 +1,156 @@
+"""A dead rank without a restart: the survivors shrink the group and go on (multi-process).
+
+A rank is SIGKILLed between collectives or inside one (``PYCOLL_FAULT`` kill_at_step, which
+fires on shared memory, TCP and the hierarchical path alike); the survivors get the error
+naming it, call ``dist.shrink_group`` (or ``pycoll.shrink``), and the new group works with
+contiguous ranks, on the default group and on a subgroup, twice in a row. Nothing of the
+old groups is left (fds, threads). The Store is the test's own, as torchrun's agent's is.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.filterwarnings("ignore::UserWarning")]
+
+PATHS = {"shm": {"PYCOLL_TRANSPORT": "shm"},
+         "tcp": {"PYCOLL_TRANSPORT": "tcp"},
+         "hierarchical": {"PYCOLL_TRANSPORT": "hierarchical", "PYCOLL_HOST_ID": "a,a,b,b"}}
+
+
+def _fail_then_shrink(dead: int, how: str, group=None, flags: int = 0):
+    """Run all_reduces until one fails; shrink. Returns (error text, new group, seconds)."""
+    import pycoll
+
+    err = None
+    for _ in range(200):
+        try:
+            dist.all_reduce(torch.ones(4096), group=group)
+        except Exception as exc:  # noqa: BLE001 - the error is what the test reads
+            err = f"{type(exc).__name__}: {exc}"
+            break
+        time.sleep(0.001)
+    t0 = time.monotonic()
+    if how == "torch":
+        new = dist.shrink_group([dead], group=group, shrink_flags=flags)
+    else:
+        new = pycoll.shrink(group, exclude=[dead], flags=flags)
+    return err, new, t0
+
+
+def _survive(rank, world, how, dead, sub, flags, kill_inside):
+    torch.set_num_threads(1)
+    group = dist.new_group(list(range(world))) if sub else None
+    dist.all_reduce(torch.ones(8), group=group)
+    if rank == dead and not kill_inside:
+        os._exit(1)
+    err, new, t0 = _fail_then_shrink(dead, how, group, flags)
+    t = torch.full((3,), float(new.rank()))
+    dist.all_reduce(t, group=new)
+    took = time.monotonic() - t0
+    default_is_new = dist.distributed_c10d._get_default_group() is new
+    return err, new.rank(), new.size(), t.tolist(), took, default_is_new, new.name()
+
+
+def _check(res, world, dead, sub=False):
+    assert res[dead] == "died"
+    n = world - 1
+    total = float(sum(range(n)))
+    for old, r in enumerate(res):
+        if old == dead:
+            continue
+        err, rank, size, values, took, default_is_new, name = r
+        assert err is not None and f"rank {dead}" in err, err
+        assert (rank, size) == (old - (old > dead), n), r
+        assert values == [total] * 3, r
+        assert default_is_new is (not sub)
+        assert name == "pycoll"
+    return max(r[4] for i, r in enumerate(res) if i != dead)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_survivors_shrink_the_default_group_and_go_on(path):
+    res = run_ranks(_survive, 4, "torch", 1, False, 0, False, backend="pycoll", timeout=90,
+                    may_die=(1,), env=PATHS[path])
+    _check(res, 4, 1)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_rank_killed_inside_a_collective_is_shrunk_away(path):
+    env = dict(PATHS[path], PYCOLL_FAULT="rank=2:op=all_reduce:seq=3:kill_at_step=1")
+    res = run_ranks(_survive, 4, "torch", 2, False, 0, True, backend="pycoll", timeout=90,
+                    may_die=(2,), env=env)
+    _check(res, 4, 2)
+
+
+def test_a_subgroup_shrinks_with_abort_and_pycoll_shrink_works_without_torchs_helper(monkeypatch):
+    res = run_ranks(_survive, 3, "torch", 0, True, 1, False, backend="pycoll", timeout=90,
+                    may_die=(0,), env={"PYCOLL_TRANSPORT": "tcp"})
+    _check(res, 3, 0, sub=True)
+    res = run_ranks(_no_torch_helper, 3, backend="pycoll", timeout=90, may_die=(2,),
+                    env={"PYCOLL_TRANSPORT": "shm"})
+    _check(res, 3, 2)
+
+
+def _no_torch_helper(rank, world):
+    """pycoll.shrink on a torch without dist.shrink_group (hidden here)."""
+    saved = dist.shrink_group
+    del dist.shrink_group
+    try:
+        return _survive(rank, world, "pycoll", 2, False, 0, False)
+    finally:
+        dist.shrink_group = saved
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _twice(rank, world):
+    torch.set_num_threads(1)
+    seen = []
+    dist.all_reduce(torch.ones(8))
+    base = (_fds(), threading.active_count())
+    for dead in (3, 2):      # rank 3 dies, then the shrunk group's rank 2
+        if dist.get_rank() == dead:
+            os._exit(1)
+        err, new, _ = _fail_then_shrink(dead, "torch")
+        t = torch.ones(5)
+        dist.all_reduce(t)
+        seen.append((dist.get_world_size(), t[0].item(), "rank %d" % dead in err))
+    return seen, base, (_fds(), threading.active_count())
+
+
+def test_two_failures_two_shrinks_nothing_left_of_the_old_groups():
+    res = run_ranks(_twice, 4, backend="pycoll", timeout=90, may_die=(2, 3))
+    for r in (0, 1):
+        seen, (fd0, th0), (fd1, th1) = res[r]
+        assert seen == [(3, 3.0, True), (2, 2.0, True)], seen
+        assert fd1 <= fd0 and th1 <= th0, res[r]
+
+
+def _excluded_rank_calls(rank, world):
+    try:
+        dist.shrink_group([rank])
+    except Exception as exc:  # noqa: BLE001
+        return type(exc).__name__, str(exc)
+    return "no error"
+
+
+def test_bad_shrinks_are_refused_before_any_communication():
+    from pycoll.c10d.shrink import remaining_ranks
+
+    assert remaining_ranks(4, [1, 1, 3]) == [0, 2]
+    for bad, text in (([4], "not ranks"), ([], "no rank"), ([0, 1], "every rank")):
+        with pytest.raises(ValueError, match=text):
+            remaining_ranks(2, bad)
+    res = run_ranks(_excluded_rank_calls, 2, backend="pycoll", timeout=60)
+    assert all("excluded" in r[1] for r in res), res

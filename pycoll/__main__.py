@@ -6,7 +6,7 @@ import sys
 
 COMMANDS = {
     "demo": ("pycoll.cli.demo", "start local ranks, run every collective, train with DDP"),
-    "bench": ("pycoll.cli.bench", "pycoll vs gloo (vs MPI) benchmark, nccl-tests style (checkout)"),
+    "bench": ("pycoll.cli.bench", "pycoll vs gloo (vs MPI) benchmark, nccl-tests style"),
     "draw": ("pycoll.cli.draw", "draw an algorithm's schedule step by step (picture or --text)"),
     "trace": ("pycoll.cli.trace_view", "merge PYCOLL_TRACE=DIR rank files into a Chrome trace (+ --png timeline)"),
     "doctor": ("pycoll.cli.doctor", "what this machine offers and which paths pycoll will use"),

@@ -1,4 +1,5 @@
-"""Tests of the benchmark in tools/: pure parts in process, one tiny real sweep as a subprocess.
+"""Tests of the benchmark (``pycoll.cli.bench``): pure parts in process, tiny real sweeps as
+subprocesses of ``python -m pycoll bench``, and the ``tools/bench.py`` wrapper of the checkout.
 
 Nothing here asserts on absolute times (the machine is shared); only shapes, counts and #wrong.
 """
@@ -12,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from tools import bench
-from tools.bench_collectives import COLLECTIVES
-from tools.bench_harness import run_sweep, split_rounds, sweep_plan
+import tools.bench
+import tools.bench_ref
+from pycoll.cli.bench import launch as bench
+from pycoll.cli.bench import ref
+from pycoll.cli.bench.collectives import COLLECTIVES
+from pycoll.cli.bench.harness import run_sweep, split_rounds, sweep_plan
 
 REPO = Path(__file__).resolve().parents[1]
 ALL = list(COLLECTIVES)
@@ -116,7 +120,7 @@ def test_main_is_importable_and_plot_error_is_clear(monkeypatch, capsys):
 
 def _run_bench(tmp_path, *extra):
     out = tmp_path / "out.json"
-    cmd = [sys.executable, str(REPO / "tools" / "bench.py"), "--world-size", "2",
+    cmd = [sys.executable, "-m", "pycoll", "bench", "--world-size", "2",
            "--min-bytes", "8", "--max-bytes", "4K", "--step-factor", "512", "--iters", "3",
            "--warmup", "1", "--rounds", "2", "--ref-seconds", "0.1", "--timeout", "20",
            "--deadline", "50", "--no-progress", "--json", str(out), *extra]
@@ -170,3 +174,12 @@ def test_bench_mpi_column(tmp_path):
     assert result["meta"]["backends"] == ["gloo", "mpi"]
     _check_rows(result, "mpi", names)
     _check_rows(result, "gloo", names)
+
+
+def test_tools_bench_py_is_the_same_benchmark(tmp_path):
+    """docs/performance.md records ``python tools/bench.py ...`` runs; the script still runs them."""
+    assert tools.bench.main is bench.main and tools.bench.parse_size is bench.parse_size
+    assert tools.bench_ref.measure is ref.measure
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench.py"), "--help"],
+                          capture_output=True, text=True, timeout=55, cwd=tmp_path)
+    assert proc.returncode == 0 and "--max-bytes" in proc.stdout, proc.stderr[-3000:]

@@ -94,7 +94,7 @@ def test_doctor_table_and_json():
 
 
 @pytest.mark.timeout(60)
-def test_bench_subcommand_runs_the_checkout_benchmark(tmp_path):
+def test_bench_subcommand_runs_from_any_folder(tmp_path):
     out = tmp_path / "bench.json"
     text = _pycoll("bench", "--backends", "gloo", "--mpi", "off", "-c", "all_reduce",
                    "--world-size", "2", "--min-bytes", "8", "--max-bytes", "64",

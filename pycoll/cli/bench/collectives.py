@@ -4,7 +4,7 @@ One small entry per collective: how a size in bytes becomes element counts, how 
 initialised (deterministic, rank-dependent), what the result must be, the bus-bandwidth factor,
 and one ``run`` function written against backend-neutral verbs (``api.all_reduce(...)``) so the
 same entry drives torch.distributed groups (gloo, pycoll) and mpi4py alike. Timing, checking
-and printing live in the shared harness (``bench_harness``, ``bench_report``).
+and printing live in the shared harness (``harness``, ``report``).
 
 Sizes follow nccl-tests: for all_gather / gather it is the total received bytes, for
 reduce_scatter / scatter / all_to_all the total sent bytes; per-rank blocks are size / world.

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Callable
 
-from tools.bench_collectives import COLLECTIVES, DTYPES, participates, reset
+from pycoll.cli.bench.collectives import COLLECTIVES, DTYPES, participates, reset
 
 
 class Progress:

@@ -1,14 +1,15 @@
 """Backend-comparison benchmark in the style of nccl-tests: pycoll vs gloo (vs MPI), one run.
 
-    python tools/bench.py --backends pycoll,gloo --world-size 2 --min-bytes 8 --max-bytes 64M \\
+    python -m pycoll bench --backends pycoll,gloo --world-size 2 --min-bytes 8 --max-bytes 64M \\
         --iters 20 --warmup 5 --json out.json [--plot out.png] [--dtype float32] [--op sum]
 
 The launcher (this module) measures the physical reference figures, hosts a TCPStore on a port
-the OS picks, spawns ``world_size`` rank processes once (tools/bench_worker.py) that each open one
-process group per backend and run every (collective, size) with the backends interleaved, then,
-when mpirun and mpi4py are installed, runs the same sweep under mpirun (tools/bench_mpi.py), and
-merges everything into one set of tables, a JSON file and an optional plot. ``main(argv)`` is the
-entry point for ``python -m pycoll bench``. See docs/bench.md.
+the OS picks, spawns ``world_size`` rank processes once (pycoll.cli.bench.worker) that each open
+one process group per backend and run every (collective, size) with the backends interleaved,
+then, when mpirun and mpi4py are installed, runs the same sweep under mpirun
+(pycoll.cli.bench.mpi), and merges everything into one set of tables, a JSON file and an
+optional plot. ``main(argv)`` is the entry point for ``python -m pycoll bench``. See
+docs/bench.md.
 """
 
 from __future__ import annotations
@@ -21,18 +22,18 @@ import os
 import platform
 import re
 import shutil
+import site
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-if __package__ in (None, ""):  # run as a script: make the `tools` package importable
-    sys.path.insert(0, str(REPO))
+from pycoll.cli.bench import ref, report
+from pycoll.cli.bench.collectives import COLLECTIVES, DTYPES, OPS
 
-from tools import bench_ref, bench_report  # noqa: E402
-from tools.bench_collectives import COLLECTIVES, DTYPES, OPS  # noqa: E402
+# The folder that holds this pycoll package: the rank processes must import the same one.
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]
 
 # DESIGN.md: glibc 2.36 memcpy is slow for 4-256 KiB copies at an unlucky 4 KiB offset.
 GLIBC_FIX = "glibc.cpu.x86_rep_movsb_threshold=4194304"
@@ -98,11 +99,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _on_default_path(folder: Path) -> bool:
+    """True when a fresh interpreter finds packages in ``folder`` without help (site-packages).
+    Such a folder stays off PYTHONPATH: there it would come before the standard library."""
+    dirs = site.getsitepackages() + [site.getusersitepackages()]
+    return any(Path(d).resolve() == folder for d in dirs if os.path.isdir(d))
+
+
 def _rank_env(args) -> tuple[dict, list[str]]:
     """Environment of the rank processes, and the notes that announce every change we made."""
     env, notes = dict(os.environ), []
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + _csv(env.get("PYTHONPATH", "")
-                                                          .replace(os.pathsep, ",")))
+    if not _on_default_path(PACKAGE_ROOT):  # a checkout, not an installed wheel
+        env["PYTHONPATH"] = os.pathsep.join([str(PACKAGE_ROOT)] + _csv(
+            env.get("PYTHONPATH", "").replace(os.pathsep, ",")))
     if "OMP_NUM_THREADS" not in env:  # as torchrun does for several ranks per host
         env["OMP_NUM_THREADS"] = "1"
         notes.append("OMP_NUM_THREADS=1 set for the rank processes (as torchrun does)")
@@ -144,9 +153,10 @@ def run_torch_ranks(cfg: dict, world: int, tmp: str, env: dict, deadline) -> lis
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=cfg["timeout"] * 4))
     outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-m", "tools.bench_worker", "--rank", str(r),
-                               "--world-size", str(world), "--store", f"127.0.0.1:{store.port}",
-                               "--config", cfg_path, "--out", outs[r]], env=env)
+    procs = [subprocess.Popen([sys.executable, "-m", "pycoll.cli.bench.worker", "--rank",
+                               str(r), "--world-size", str(world), "--store",
+                               f"127.0.0.1:{store.port}", "--config", cfg_path, "--out", outs[r]],
+                              env=env)
              for r in range(world)]
     _wait_all(procs, deadline, "torch ranks")
     del store
@@ -175,7 +185,7 @@ def run_mpi(cmd: list[str], cfg: dict, world: int, tmp: str, env: dict, deadline
     cfg_path = os.path.join(tmp, "config.json")
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
-    proc = subprocess.Popen(cmd + [sys.executable, "-m", "tools.bench_mpi", "--config",
+    proc = subprocess.Popen(cmd + [sys.executable, "-m", "pycoll.cli.bench.mpi", "--config",
                                    cfg_path, "--out-dir", tmp], env=env)
     try:
         _wait_all([proc], deadline, "mpirun")
@@ -198,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(str(e))
     if args.plot:
-        bench_report.require_matplotlib()  # fail now, not after a long sweep
+        report.require_matplotlib()  # fail now, not after a long sweep
     meta_notes: list[str] = []
     collectives = list(args.collectives)
     if args.world_size < 2 and "sendrecv" in collectives:
@@ -210,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     env, env_notes = _rank_env(args)
     meta_notes += env_notes
     mpi_cmd, mpi_why = (None, "--mpi off") if mpi_mode == "off" else mpi_command(args.world_size)
-    from tools.bench_backends import MPI_DTYPES
+    from pycoll.cli.bench.backends import MPI_DTYPES
     if mpi_cmd and DTYPES[args.dtype] not in MPI_DTYPES:
         mpi_cmd, mpi_why = None, f"MPI has no standard {args.dtype} type"
     order = torch_backends + (["mpi"] if mpi_cmd or mpi_mode == "on" else [])
@@ -221,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
            "timing": args.timing, "timeout": args.timeout, "progress": not args.no_progress,
            "torch_backends": torch_backends}
 
-    reference = bench_ref.measure(args.ref_seconds, args.world_size)  # before the ranks: nothing competes
+    reference = ref.measure(args.ref_seconds, args.world_size)  # before the ranks: nothing competes
     docs = []
     with tempfile.TemporaryDirectory(prefix="pycoll-bench-") as tmp:
         if torch_backends:
@@ -236,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
                               "interleaved with them)")
             mpi_docs, mpi_err = run_mpi(mpi_cmd, cfg, args.world_size, tmp, env, deadline)
         docs += mpi_docs
-    result = bench_report.merge(docs, args.world_size, order, collectives)
+    result = report.merge(docs, args.world_size, order, collectives)
     if "mpi" in order and not mpi_docs:
         result["notes"]["mpi"] = mpi_err
     result["meta"] = {
@@ -248,13 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }
     if reference:   # the copy rate drifts with the machine's phases; a bound takes its best
-        after = bench_ref.memcpy_per_rank(args.ref_seconds, args.world_size) / 1e9
+        after = ref.memcpy_per_rank(args.ref_seconds, args.world_size) / 1e9
         reference["memcpy_per_rank_before_after_GBps"] = [reference["memcpy_per_rank_GBps"], after]
         reference["memcpy_per_rank_GBps"] = best = max(reference["memcpy_per_rank_GBps"], after)
-        reference["all_reduce_shm_bound_busbw_GBps"] = bench_ref.all_reduce_bound(best, args.world_size)
+        reference["all_reduce_shm_bound_busbw_GBps"] = ref.all_reduce_bound(best, args.world_size)
     result["reference"] = reference
-    print(bench_report.format_header(result, order))
-    print(bench_report.format_tables(result, order))
+    print(report.format_header(result, order))
+    print(report.format_tables(result, order))
     wrong = sum(r["wrong"] for e in result["collectives"].values() for row in e["rows"]
                 for r in row["results"].values() if r)
     print(f"\n# #wrong total: {wrong} {'OK' if wrong == 0 else 'FAILED'}")
@@ -262,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     if args.plot:
-        bench_report.plot(result, order, args.plot)
+        report.plot(result, order, args.plot)
     return 0 if wrong == 0 else 1
 
 

@@ -1,10 +1,10 @@
-"""One rank of the MPI column (mpi4py buffer methods), started by tools/bench.py under mpirun.
+"""One rank of the MPI column (mpi4py buffer methods), started by the launcher under mpirun.
 
 The same collective table and sweep loop as the torch ranks, on numpy views of the same kind of
 tensors, so the figures merge into the same tables. MPI cannot join the torch processes, so its
 sweep runs after theirs rather than interleaved with them (the launcher says so).
 
-    mpirun -n N python -m tools.bench_mpi --config C --out-dir D
+    mpirun -n N python -m pycoll.cli.bench.mpi --config C --out-dir D
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from tools.bench_backends import MpiApi
-from tools.bench_harness import Progress, run_sweep, sweep_plan
+from pycoll.cli.bench.backends import MpiApi
+from pycoll.cli.bench.harness import Progress, run_sweep, sweep_plan
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 
-from tools.bench_collectives import COLLECTIVES
+from pycoll.cli.bench.collectives import COLLECTIVES
 
 
 def _summary(recs: list[dict], nbytes: int, factor: float) -> dict:

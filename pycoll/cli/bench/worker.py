@@ -1,10 +1,10 @@
-"""One rank of the torch.distributed side of the benchmark (started by tools/bench.py).
+"""One rank of the torch.distributed side of the benchmark (started by the launcher).
 
 The rank joins the launcher's TCPStore, makes a gloo default group (used only to agree on which
 backends are healthy, never timed), then one group per backend under test with
 ``dist.new_group(backend=...)``, runs the shared sweep and writes its per-rank record file.
 
-    python -m tools.bench_worker --rank R --world-size N --store HOST:PORT --config C --out F
+    python -m pycoll.cli.bench.worker --rank R --world-size N --store HOST:PORT --config C --out F
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tools.bench_backends import TorchApi
-from tools.bench_harness import Progress, run_sweep, sweep_plan
+from pycoll.cli.bench.backends import TorchApi
+from pycoll.cli.bench.harness import Progress, run_sweep, sweep_plan
 
 
 def _agree(flags: list) -> list:

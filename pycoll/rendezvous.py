@@ -8,12 +8,15 @@ never reads the keys of an earlier attempt.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
 import os
 import secrets
 import socket
+import threading
+import time
 
 log = logging.getLogger("pycoll")
 
@@ -46,7 +49,7 @@ def group_secret(store, rank: int) -> bytes:
         value = secrets.token_bytes(32)
         store.set("pycoll/secret", value.hex())
     else:
-        value = bytes.fromhex(store.get("pycoll/secret").decode())
+        value = bytes.fromhex(get(store, "pycoll/secret"))
     key = auth_key()
     if key is None:
         _tell_no_key()
@@ -137,7 +140,54 @@ def host_identity(global_rank: int) -> str:
 def exchange_all(store, key: str, rank: int, world: int, value: str) -> list[str]:
     """Every rank publishes ``value``; returns all ranks' values in rank order."""
     store.set(f"{key}/{rank}", value)
-    return [value if r == rank else store.get(f"{key}/{r}").decode() for r in range(world)]
+    return [value if r == rank else get(store, f"{key}/{r}") for r in range(world)]
+
+
+# -- a watched init ---------------------------------------------------------------------------
+# A group built while another one still tells which peers are alive (a shrink: the old
+# group's point-to-point connections) must not wait for a peer that dies meanwhile until the
+# init deadline. The watch is per thread: a group's set-up runs on the thread that makes it.
+_WATCH = threading.local()
+WATCH_SLICE_S = 0.05
+
+
+@contextlib.contextmanager
+def watched(check):
+    """Run a group's set-up with ``check()`` (raises when a needed peer is gone) consulted
+    at every wait of the set-up, at least every ``WATCH_SLICE_S``."""
+    saved = getattr(_WATCH, "check", None)
+    _WATCH.check = check
+    try:
+        yield
+    finally:
+        _WATCH.check = saved
+
+
+def check_watch() -> float | None:
+    """Raise if the watch says a peer is gone; the longest a wait may block before asking
+    again (None: no watch, block as long as needed)."""
+    check = getattr(_WATCH, "check", None)
+    if check is None:
+        return None
+    check()
+    return WATCH_SLICE_S
+
+
+def get(store, key: str) -> str:
+    """``store.get(key)``, asking the watch (if any) while the key is not there yet."""
+    if check_watch() is not None:
+        from datetime import timedelta
+
+        deadline = time.monotonic() + store.timeout.total_seconds()   # as store.get would wait
+        while True:
+            try:
+                store.wait([key], timedelta(seconds=WATCH_SLICE_S))
+                break
+            except Exception as exc:  # noqa: BLE001 - torch's store errors have no common type
+                if "timeout" not in str(exc).lower() or time.monotonic() > deadline:
+                    raise
+            check_watch()
+    return store.get(key).decode()
 
 
 def interface_address(ifname: str) -> str:

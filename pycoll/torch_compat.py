@@ -1,6 +1,6 @@
 """Every private or version-dependent piece of torch that pycoll touches, in one place.
 
-pycoll is tested with torch 2.13 (README). Newer releases may move what is private; each
+pycoll is tested with torch 2.13 and 2.14 (README). Newer releases may move what is private; each
 piece is looked up here, once, and a missing one fails with a message that names this
 torch's version and the piece, instead of an AttributeError deep inside a collective.
 Optional pieces (the Dynamo skip) degrade with one log line.
@@ -25,7 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 
 log = logging.getLogger("pycoll")
 
-TESTED = "2.13"
+TESTED = "2.13 and 2.14"
 
 
 class TorchCompatError(RuntimeError):

@@ -62,6 +62,10 @@ def _worker_main(conn) -> None:
             finally:
                 if backend is not None and dist.is_initialized():
                     dist.destroy_process_group()
+                # A failed init_process_group leaves torch's group counter advanced, and the
+                # next run's default group would then live under another store prefix than
+                # a fresh worker's (a hang at the first key exchange).
+                dist.distributed_c10d._world.group_count = 0
                 # Free the test's objects here, on the main thread: a garbage collection that
                 # a backend's own thread runs later could free a gloo group there, whose
                 # destructor then joins the thread it runs on (std::terminate, EDEADLK).

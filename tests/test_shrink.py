@@ -154,3 +154,41 @@ def test_bad_shrinks_are_refused_before_any_communication():
             remaining_ranks(2, bad)
     res = run_ranks(_excluded_rank_calls, 2, backend="pycoll", timeout=60)
     assert all("excluded" in r[1] for r in res), res
+
+
+def _dies_during_the_shrink(rank, world, delay):
+    torch.set_num_threads(1)
+    dist.all_reduce(torch.ones(8))
+    if rank == 3:
+        os._exit(1)
+    err = None
+    while err is None:
+        try:
+            dist.all_reduce(torch.ones(8))
+        except Exception as exc:  # noqa: BLE001
+            err = str(exc)
+    if rank == 2:                  # a survivor that dies once the others are inside the shrink
+        time.sleep(delay)
+        os._exit(1)
+    t0 = time.monotonic()
+    try:
+        dist.shrink_group([3])
+        return "shrink did not fail"
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        failed = (f"{type(exc).__name__}: {exc}", time.monotonic() - t0)
+    new = dist.shrink_group([2, 3])       # retried without the second dead rank
+    t = torch.ones(4)
+    dist.all_reduce(t, group=new)
+    return failed, new.size(), t.tolist()
+
+
+@pytest.mark.parametrize("path", ["shm", "tcp"])
+@pytest.mark.parametrize("delay", [0.0, 0.2])
+def test_a_rank_dying_during_the_shrink_fails_it_at_once_and_it_can_be_retried(path, delay):
+    res = run_ranks(_dies_during_the_shrink, 4, delay, backend="pycoll", timeout=90, may_die=(2, 3),
+                    env=PATHS[path])
+    for r in (0, 1):
+        (text, seconds), size, values = res[r]
+        assert "rank 2" in text and "died during the shrink" in text, text
+        assert seconds < delay + 2.0, (seconds, text)      # not the init deadline (90 s here)
+        assert (size, values) == (2, [2.0] * 4)

@@ -56,6 +56,18 @@ def test_per_device_lookups_answer_as_on_gloo():
         assert o["meta"] and g["meta"]
 
 
+def _device_backend_string(rank, world):
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t)
+    pg = dist.distributed_c10d._get_default_group()
+    return t.tolist(), pg._get_backend(torch.device("cpu")).name(), bool(pg._get_backend(torch.device("cpu")).supports_shrinking)
+
+
+def test_cpu_colon_pycoll_is_the_same_backend():
+    for backend in ("cpu:pycoll", "pycoll"):
+        assert run_ranks(_device_backend_string, 2, backend=backend) == [([3.0] * 3, "pycoll", True)] * 2
+
+
 def _pg_timeout(rank, world):
     pg = dist.distributed_c10d._get_default_group()
     dist.distributed_c10d._set_pg_timeout(timedelta(seconds=1), pg)

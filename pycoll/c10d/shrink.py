@@ -10,15 +10,20 @@ The new group meets through the old group's Store under a key of its own (the ol
 prefix, how many shrinks this group has seen, the excluded ranks), so no message goes to
 or through an excluded rank and no new Store is needed; it builds fresh connections and
 shared memory, so nothing of the old group is shared with it (the old group, failed or
-not, is destroyed by torch afterwards, or by ``pycoll.shrink``). The Store itself must
+not, is destroyed by torch afterwards, or by ``pycoll.shrink``). While it is built, the
+old group's point-to-point connections, which stay up after a collective failed, tell
+whether a remaining rank dies meanwhile: every wait of the set-up asks (``rendezvous.watched``)
+and the shrink fails at once naming it, instead of at the init deadline; it can be retried
+without that rank. The Store itself must
 outlive the failure: under torchrun its agent hosts it; with ``env://`` rank 0's process
 hosts it (docs/faults.md, "Surviving a failure").
 """
 
 from __future__ import annotations
 
+from pycoll import rendezvous
 from pycoll.c10d.lookups import Options
-from pycoll.errors import PycollError
+from pycoll.errors import PeerClosedError, PycollError
 
 SHRINK_ABORT = 0x01   # torch's flag: fail the old group's outstanding ops before shrinking
 
@@ -44,16 +49,29 @@ def shrink(pg, excluded, flags: int = 0, opts=None):
         raise RuntimeError(f"shrink: rank {pg.rank()} is excluded, so it must not call shrink")
     pg._shrinks = getattr(pg, "_shrinks", 0) + 1
     if flags & SHRINK_ABORT:
-        pg.communicator.shutdown(abort=True, reason="aborted by shrink_group")
+        # Fail what is queued and running, but keep the point-to-point connections: they
+        # tell the shrink's watch which of the remaining ranks are still alive.
+        pg.communicator.fail(PycollError("aborted by shrink_group"))
     timeout = opts._timeout if isinstance(opts, Options) else pg._timeout
     gone = "-".join(str(r) for r in range(pg.size()) if r not in stay)
     store = _prefix(f"pycoll/shrink/{pg._shrinks}/{gone}/", pg._store)
     try:
-        return type(pg)(store, stay.index(pg.rank()), len(stay), timeout)
+        with rendezvous.watched(lambda: _check_alive(pg, stay)):
+            return type(pg)(store, stay.index(pg.rank()), len(stay), timeout)
     except Exception as exc:
         mapping = ", ".join(f"{new}={old}" for new, old in enumerate(stay))
         raise PycollError(f"shrink: building the group of ranks {stay} failed (its ranks are the old "
                           f"ones renumbered, new=old: {mapping}): {exc}") from exc
+
+
+def _check_alive(pg, stay: list[int]) -> None:
+    """The watch of a shrink: a remaining rank whose old connection ended has died during it."""
+    dead = pg.communicator.p2p.dead_peers()
+    for new, old in enumerate(stay):
+        if old in dead:
+            raise PeerClosedError(f"shrink: rank {old} (new rank {new}) died during the shrink: its "
+                                  f"connection to rank {pg.rank()} {dead[old]}", op="shrink",
+                                  rank=pg.rank(), peer=old)
 
 
 def _prefix(prefix: str, store):

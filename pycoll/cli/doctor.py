@@ -3,9 +3,9 @@
     python -m pycoll doctor          # a compact table
     python -m pycoll doctor --json   # the same facts, machine-readable
 
-Every check is a real attempt where one is cheap (create a 0600 /dev/shm segment, read a
-child's memory with process_vm_readv, a loopback TCP round trip), never a guess from version
-numbers. Nothing is left behind: the segment is unlinked, the child is reaped. Exit status 0
+Every check is a real attempt where one is cheap (share a memfd with a child as the arena
+does, read a child's memory with process_vm_readv, a loopback TCP round trip), never a guess
+from version numbers. Nothing is left behind: the memfd is closed, the child is reaped. Exit status 0
 unless the machine cannot run pycoll at all (no loopback TCP).
 """
 
@@ -36,25 +36,33 @@ def _version(dist: str) -> str | None:
 
 
 def check_shm() -> tuple[str, str, dict]:
-    if not os.path.isdir("/dev/shm"):
-        return NO, "/dev/shm missing: ranks on one host fall back to TCP", {}
-    du = shutil.disk_usage("/dev/shm")
-    facts = {"free_bytes": du.free, "total_bytes": du.total}
-    path = f"/dev/shm/pycoll-doctor-{os.getpid()}-{secrets.token_hex(4)}"
+    """The arena's real path: a memfd that a child process opens through /proc/<pid>/fd."""
+    if not hasattr(os, "memfd_create") or not hasattr(os, "fork"):
+        return NO, "no memfd_create: use PYCOLL_TRANSPORT=tcp on this machine", {}
+    facts: dict = {}
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        try:
-            os.ftruncate(fd, 1 << 20)
-            mode = os.fstat(fd).st_mode & 0o777
-        finally:
-            os.close(fd)
-            os.unlink(path)
+        fd = os.memfd_create("pycoll-doctor", os.MFD_CLOEXEC)
     except OSError as e:
-        return NO, f"cannot create a segment: {e}", facts
-    facts["segment_mode"] = oct(mode)
-    return (OK if mode == 0o600 else NO,
-            f"{du.free / 2**30:.1f} of {du.total / 2**30:.1f} GiB free; 0600 segment "
-            f"{'created' if mode == 0o600 else f'has mode {oct(mode)}'}", facts)
+        return NO, f"memfd_create failed: {e}", facts
+    try:
+        os.ftruncate(fd, 1 << 20)
+        path = f"/proc/{os.getpid()}/fd/{fd}"
+        pid = os.fork()
+        if pid == 0:   # a sibling rank's view: open the creator's descriptor by path
+            try:
+                os.close(os.open(path, os.O_RDWR))
+                os._exit(0)
+            except BaseException:  # noqa: BLE001 - the exit status is the answer
+                os._exit(1)
+        _, status = os.waitpid(pid, 0)
+    except OSError as e:
+        return NO, f"cannot size or share a memfd: {e}", facts
+    finally:
+        os.close(fd)
+    facts["child_opened"] = os.waitstatus_to_exitcode(status) == 0
+    if not facts["child_opened"]:
+        return NO, f"a child process cannot open {path} (ptrace rules?): use PYCOLL_TRANSPORT=tcp", facts
+    return OK, "memfd shared through /proc/<pid>/fd (nothing named in /dev/shm)", facts
 
 
 def check_cma() -> tuple[str, str, dict]:
@@ -201,8 +209,8 @@ def gather() -> list[dict]:
 def _paths(rows: list[dict], env: dict) -> str:
     st = {r["check"]: r["status"] for r in rows}
     mode = env.get("PYCOLL_TRANSPORT", "auto")
-    one_host = ("shared memory (/dev/shm + futex)" if st["shared memory"] == OK
-                else "TCP (no usable /dev/shm)")
+    one_host = ("shared memory (memfd + futex)" if st["shared memory"] == OK
+                else "TCP (no usable shared memory)")
     if mode == "tcp":
         one_host = "TCP (PYCOLL_TRANSPORT=tcp)"
     cuda = next(r for r in rows if r["check"] == "cuda")

@@ -31,10 +31,11 @@ from pycoll import callbacks
 from pycoll.errors import CommError, CommTimeoutError, PeerClosedError, ProtocolError
 from pycoll.transport.base import control_error
 from pycoll.transport.frames import control_reason, next_frame
-from pycoll.transport.p2p_requests import ANY, Discard, Incoming, Request, write
+from pycoll.transport.p2p_requests import ANY, Discard, Incoming, Request, size_error, too_big, write
 from pycoll.transport.tcp.transport import Conn
 from pycoll.wire import (
     ABORT,
+    BYE,
     DATA,
     Header,
     Signature,
@@ -64,6 +65,7 @@ class P2PEngine:
         self._unexpected_bytes = 0
         self.max_unexpected = MAX_UNEXPECTED_BYTES
         self._dead: dict[int, str] = {}
+        self._left: set[int] = set()         # peers that said BYE: gone, but not dead
         self._finished: list[Request] = []   # finished under the lock, on_done not yet called
         self._broken: BaseException | None = None  # the progress thread died of it
         self._closed = False
@@ -144,6 +146,11 @@ class P2PEngine:
         self._finish(req, error)
         return True
 
+    def dead_peers(self) -> dict[int, str]:
+        """Peers whose connection ended or failed without a goodbye, and how (read by a
+        shrink's watch: a peer that destroyed its group cleanly is not among them)."""
+        return {p: why for p, why in self._dead.items() if p not in self._left}
+
     def close(self) -> None:
         with self._lock:
             if self._closed:
@@ -152,8 +159,15 @@ class P2PEngine:
         self._wake()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
+        half_sent = {p for p, q in self._sends.items() if q and q[0].off}   # no BYE inside a frame
         self._fail_all(PeerClosedError(f"rank {self.rank}: process group destroyed", rank=self.rank))
-        for c in self.conns.values():
+        for p, c in self.conns.items():
+            # A goodbye: a peer still watching this connection (a shrink) knows it left, not died.
+            if p not in self._dead and p not in half_sent:
+                try:
+                    c.sock.send(control_frame(BYE, "", self.rank))
+                except OSError:
+                    pass
             c.sock.close()
         os.close(self._wake_r)
         os.close(self._wake_w)
@@ -280,6 +294,8 @@ class P2PEngine:
                     # A control frame (the peer stopped, and says why): raise its reason.
                     reason = control_reason(conn.rbuf, nxt, conn.rend, False)
                     if reason is not None:
+                        if nxt.header.kind == BYE:
+                            self._left.add(p)
                         raise control_error(nxt.header, reason, self.rank, p, what)
                 if conn.fill() == 0:
                     return
@@ -313,7 +329,6 @@ class P2PEngine:
                 else:
                     self._unexpected.append((next(self._order), p, inc.hdr, inc.dest))
 
-
     def _match(self, p: int, hdr: Header) -> "Incoming":
         """Route an arriving frame: into a matching posted receive, or keep it as unexpected."""
         if hdr.kind != DATA or hdr.sig.op != "p2p":
@@ -325,7 +340,7 @@ class P2PEngine:
                 if hdr.nbytes == len(req.buf) and hdr.sig.dtype == req.sig.dtype:
                     return Incoming(req, hdr, req.buf)
                 # Drain the payload, then fail only this request: the stream stays usable.
-                self._finish(req, self._size_error(req, p, hdr))
+                self._finish(req, size_error(self.rank, req, p, hdr))
                 if hdr.nbytes > self.max_unexpected:
                     raise self._too_big(p, hdr)
                 return Incoming(None, hdr, Discard(hdr.nbytes), discard=True)
@@ -335,20 +350,11 @@ class P2PEngine:
         return Incoming(None, hdr, memoryview(bytearray(hdr.nbytes)))
 
     def _too_big(self, p: int, hdr: Header) -> ProtocolError:
-        return ProtocolError(
-            f"rank {self.rank}: rank {p} sent an unexpected message of {hdr.nbytes} bytes (tag "
-            f"{hdr.sig.seq}) while {self._unexpected_bytes} bytes of unexpected messages are held; "
-            f"the bound is PYCOLL_MAX_UNEXPECTED_BYTES={self.max_unexpected}: post the receive "
-            f"first or raise the bound", op="recv", seq=hdr.sig.seq, rank=self.rank, peer=p)
-
-    def _size_error(self, req: Request, src: int, hdr: Header) -> ProtocolError:
-        return ProtocolError(f"rank {self.rank}: {req.describe()} but rank {src} sent "
-                             f"{hdr.sig.dtype}[{hdr.sig.numel}] with that tag",
-                             op="recv", seq=req.tag, rank=self.rank, peer=src)
+        return too_big(self.rank, p, hdr, self._unexpected_bytes, self.max_unexpected)
 
     def _complete_recv(self, req: Request, src: int, hdr: Header, data: memoryview) -> None:
         if hdr.nbytes != len(req.buf) or hdr.sig.dtype != req.sig.dtype:
-            self._finish(req, self._size_error(req, src, hdr))
+            self._finish(req, size_error(self.rank, req, src, hdr))
             return
         req.buf[:] = data
         req.source = src

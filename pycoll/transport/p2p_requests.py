@@ -4,12 +4,15 @@
 receive's buffer, a fresh buffer (an unexpected message) or ``Discard`` (a payload drained
 because it does not fit the receive that matched it, read through a small fixed buffer and
 never allocated whole). ``write``: as much of a send's frame as a non-blocking socket takes.
+``too_big`` and ``size_error``: the errors of messages that do not fit.
 """
 
 from __future__ import annotations
 
 import socket
 import threading
+
+from pycoll.errors import ProtocolError
 
 ANY = -1           # the peer of a receive from any source
 SINK = 64 << 10
@@ -73,3 +76,19 @@ class Discard:
 
     def __setitem__(self, sl: slice, data) -> None:
         pass
+
+
+def too_big(rank: int, peer: int, hdr, held: int, bound: int) -> ProtocolError:
+    """The error of an unexpected message past ``PYCOLL_MAX_UNEXPECTED_BYTES``."""
+    return ProtocolError(
+        f"rank {rank}: rank {peer} sent an unexpected message of {hdr.nbytes} bytes (tag "
+        f"{hdr.sig.seq}) while {held} bytes of unexpected messages are held; the bound is "
+        f"PYCOLL_MAX_UNEXPECTED_BYTES={bound}: post the receive first or raise the bound",
+        op="recv", seq=hdr.sig.seq, rank=rank, peer=peer)
+
+
+def size_error(rank: int, req: Request, src: int, hdr) -> ProtocolError:
+    """A message whose dtype or size differs from the posted receive's."""
+    return ProtocolError(f"rank {rank}: {req.describe()} but rank {src} sent "
+                         f"{hdr.sig.dtype}[{hdr.sig.numel}] with that tag",
+                         op="recv", seq=req.tag, rank=rank, peer=src)

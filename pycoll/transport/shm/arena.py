@@ -36,6 +36,7 @@ import time
 import numpy as np
 import torch
 
+from pycoll import rendezvous
 from pycoll.errors import CommTimeoutError, MismatchError, PeerClosedError
 from pycoll.transport import waits as slow_wait
 
@@ -367,13 +368,14 @@ def _map_segment(store, key: str, local_rank: int, size: int, total: int, timeou
             # has opened it (a crash of this rank meanwhile fails their open, leaks nothing).
             store.add(f"{key}/mapped", 1)
             while store.add(f"{key}/mapped", 0) < size:
+                rendezvous.check_watch()
                 if time.monotonic() > deadline:
                     raise CommTimeoutError(f"shm init: local ranks did not map the segment within {timeout} s")
                 time.sleep(0.001)
         finally:
             os.close(fd)
         return mm, os.getpid()
-    path = store.get(f"{key}/name").decode()
+    path = rendezvous.get(store, f"{key}/name")
     creator = int(path.split("/")[2])
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)

@@ -87,11 +87,17 @@ def _peer_address(store, rank: int, peer: int, deadline: float) -> tuple[str, in
     from datetime import timedelta
 
     key = f"pycoll/addr/{peer}"
-    try:
-        store.wait([key], timedelta(seconds=max(0.001, deadline - time.monotonic())))
-    except Exception as exc:  # noqa: BLE001 - torch raises its own store errors
-        raise CommTimeoutError(f"init (address exchange): rank {rank} did not get rank {peer}'s "
-                               f"address from the store: {exc}", op="init", rank=rank, peer=peer) from None
+    while True:
+        left = deadline - time.monotonic()
+        slice_s = rendezvous.check_watch() or left
+        try:
+            store.wait([key], timedelta(seconds=max(0.001, min(left, slice_s))))
+            break
+        except Exception as exc:  # noqa: BLE001 - torch raises its own store errors
+            if left <= slice_s or "timeout" not in str(exc).lower():
+                raise CommTimeoutError(f"init (address exchange): rank {rank} did not get rank {peer}'s "
+                                       f"address from the store: {exc}", op="init", rank=rank,
+                                       peer=peer) from None
     host, port = store.get(key).decode().split("|")
     return host, int(port)
 
@@ -121,7 +127,8 @@ def _serve(listener, pending: dict[int, _Pending], mesh, secret, rank, world, ch
         for fd, p in pending.items():
             poller.register(fd, select.POLLIN | (select.POLLOUT if p.connecting or p.hs.outgoing else 0))
         first = min([deadline] + [p.deadline for p in pending.values()])
-        for fd, ev in poller.poll(max(0.0, min(first - now, _POLL_SLICE_S)) * 1000):
+        slice_s = rendezvous.check_watch() or _POLL_SLICE_S
+        for fd, ev in poller.poll(max(0.0, min(first - now, slice_s)) * 1000):
             if fd == listener.fileno():
                 _accept(listener, pending, strangers, secret, rank, world, channels, deadline)
                 continue

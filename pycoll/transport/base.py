@@ -86,7 +86,22 @@ def check_header(expect: Header, got: Header, rank: int, peer: int) -> None:
 
 
 class Transport:
-    """Interface; see module docstring. ``rank``/``world`` are ranks within the group."""
+    """Interface; see module docstring. ``rank``/``world`` are ranks within the group.
+
+    The contract, which the conformance kit (tests/transport_kit.py) checks on every
+    transport:
+
+    - Frames between a pair arrive in the order sent, across exchanges; the two ends need
+      not group a pair's frames into exchanges the same way.
+    - A send may complete as soon as the medium holds it (TCP socket buffers, shared-memory
+      mailboxes) or only once the peer has received it (the in-memory transport's lockstep
+      mode): a schedule must work either way, so it may not rely on sends being buffered.
+    - An exchange that cannot finish by its deadline raises ``CommTimeoutError`` naming the
+      peer it waited for; one whose peer aborted, closed or died raises ``PeerClosedError``
+      (or the class the aborting rank relayed) naming that peer, carrying an abort's reason.
+    - After an exchange failed, or after ``abort``, ``sever`` or ``close``, this transport's
+      exchanges raise a ``CommError`` at once: a failed step may have left frames half sent.
+    """
 
     rank: int
     world: int
@@ -98,11 +113,13 @@ class Transport:
         raise NotImplementedError
 
     def abort(self, reason: str) -> None:
-        """Make every current and future exchange fail promptly (idempotent)."""
+        """Make every current and future exchange fail promptly (idempotent), this rank's
+        and its peers': they report ``reason`` (the first one given) and this rank."""
         raise NotImplementedError
 
     def close(self) -> None:
-        """Release every resource (idempotent)."""
+        """Release every resource (idempotent): sockets, descriptors, mappings, threads.
+        Peers still waiting for this rank's frames get ``PeerClosedError`` naming it."""
         raise NotImplementedError
 
     def sever(self, reason: str) -> None:

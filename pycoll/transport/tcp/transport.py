@@ -107,6 +107,8 @@ class TcpTransport(FailureHandling, Transport):
                  what: str) -> None:
         if self.aborted is not None:
             raise self._aborted_error(what)
+        if self._st.closed:
+            raise CommError(f"{what}: rank {self._g(self.rank)}'s TCP transport is closed", rank=self._g(self.rank))
         sends: dict[int, SendState] = {}
         try:
             with self._st.lock:

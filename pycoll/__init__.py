@@ -76,7 +76,24 @@ def shrink(group=None, exclude=(), flags: int = 0):
     return torch_compat.shrink_group(pg, excluded, flags, lambda: pg.shrink(excluded, flags))
 
 
+def failed_ranks(group=None, wait: float = 5.0) -> list[int]:
+    """The ranks of ``group`` that died: their connection to this rank ended without the
+    goodbye a clean destroy sends. Waits up to ``wait`` seconds for at least one (a rank
+    that just caught a peer's error may see it a moment before its connection says so).
+    Survivors of the same deaths get the same answer, so it can go to ``shrink`` as it is.
+    """
+    import time
+
+    pg = group if group is not None else torch_compat.default_group()
+    deadline = time.monotonic() + wait
+    while True:
+        dead = sorted(pg.communicator.p2p.dead_peers())
+        if dead or time.monotonic() >= deadline:
+            return dead
+        time.sleep(0.005)
+
+
 _register()
 
 __all__ = ["ProcessGroupPycoll", "PycollError", "CommError", "CommTimeoutError", "PeerClosedError",
-           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "set_algorithm", "shrink", "stats", "PartialAllReduce", "BACKEND_NAME"]
+           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "set_algorithm", "shrink", "failed_ranks", "stats", "PartialAllReduce", "BACKEND_NAME"]

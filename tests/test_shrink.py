@@ -192,3 +192,58 @@ def test_a_rank_dying_during_the_shrink_fails_it_at_once_and_it_can_be_retried(p
         assert "rank 2" in text and "died during the shrink" in text, text
         assert seconds < delay + 2.0, (seconds, text)      # not the init deadline (90 s here)
         assert (size, values) == (2, [2.0] * 4)
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+def _eight_generations(rank, world):
+    """Each generation the highest rank dies and the rest shrink: 9 ranks, 8 shrinks."""
+    torch.set_num_threads(1)
+    dist.all_reduce(torch.ones(1 << 14))
+    seen = []
+    base = None
+    for _ in range(world - 1):
+        last = dist.get_world_size() - 1
+        if dist.get_rank() == last:
+            os._exit(1)
+        _err, _new, _ = _fail_then_shrink(last, "torch")
+        t = torch.ones(1 << 14)
+        dist.all_reduce(t)
+        seen.append(int(t[0].item()))
+        if base is None:    # after the first shrink: what one generation keeps for good
+            base = (_fds(), threading.active_count(), _rss_kib())
+    return seen, base, (_fds(), threading.active_count(), _rss_kib())
+
+
+def test_eight_generations_leave_no_fds_threads_or_memory_behind():
+    res = run_ranks(_eight_generations, 9, backend="pycoll", timeout=110, may_die=tuple(range(1, 9)))
+    seen, (fd0, th0, rss0), (fd1, th1, rss1) = res[0]
+    assert seen == list(range(8, 0, -1)), seen
+    assert fd1 <= fd0 and th1 <= th0, res[0]
+    assert rss1 - rss0 < 5 * 1024, f"RSS grew by {(rss1 - rss0) / 1024:.1f} MiB over 7 shrinks"
+    print(f"\n  8 generations: fds {fd0} -> {fd1}, threads {th0} -> {th1}, RSS {rss0 / 1024:.1f} -> "
+          f"{rss1 / 1024:.1f} MiB")
+
+
+@pytest.mark.timeout(240)
+def test_the_survival_recipe_trains_to_the_end_as_a_3_rank_run_would():
+    """tools/survive.py: torch DDP and ddp/ on 4 ranks, one SIGKILLed, the rest shrink and
+    finish; their model equals a 3-rank run resumed from their state at the kill."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, os.path.join(root, "tools", "survive.py"), "--steps", "10",
+                          "--kill-step", "4", "--no-torchrun", "--json"], capture_output=True, text=True,
+                         timeout=220, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    reports = json.loads(out.stdout)
+    assert [r["ddp"] for r in reports] == ["torch", "ours"]
+    for r in reports:
+        assert r["world_after"] == 3 and f"rank {r['victim']}" in r["error"], r
+        assert r["max_diff_vs_3_rank_run"] == 0.0, r
+        assert r["kill_to_first_step_s"] < 10, r

@@ -247,3 +247,30 @@ def test_the_survival_recipe_trains_to_the_end_as_a_3_rank_run_would():
         assert r["world_after"] == 3 and f"rank {r['victim']}" in r["error"], r
         assert r["max_diff_vs_3_rank_run"] == 0.0, r
         assert r["kill_to_first_step_s"] < 10, r
+
+
+def _outstanding_works_end(rank, world, flags):
+    torch.set_num_threads(1)
+    dist.all_reduce(torch.ones(8))
+    if rank == 2:
+        os._exit(1)
+    works = [dist.all_reduce(torch.ones(1 << 16), async_op=True) for _ in range(6)]
+    new = dist.shrink_group([2], shrink_flags=flags)
+    ends = []
+    for w in works:
+        try:
+            w.wait()
+            ends.append("completed")
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            ends.append(type(exc).__name__)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=new)
+    return ends, t.tolist()
+
+
+@pytest.mark.parametrize("flags", [0, 1])
+def test_the_failed_groups_outstanding_works_all_end_with_the_error(flags):
+    res = run_ranks(_outstanding_works_end, 3, flags, backend="pycoll", timeout=60, may_die=(2,))
+    for ends, values in res[:2]:
+        assert "completed" not in ends and len(ends) == 6, ends
+        assert values == [2.0, 2.0]

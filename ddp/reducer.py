@@ -60,8 +60,9 @@ class Reducer:
         self._inv = 1.0 / self.world
         self._build(list(reversed(range(len(self.params)))))
         me = weakref.ref(self)
-        self._handles = [p.register_post_accumulate_grad_hook(_ready_hook(me, i))
-                         for i, p in enumerate(self.params)]
+        handles = [p.register_post_accumulate_grad_hook(_ready_hook(me, i)) for i, p in enumerate(self.params)]
+        # A dropped wrapper (re-wrapped after a shrink, say) takes its hooks off the parameters.
+        weakref.finalize(self, _remove_hooks, handles)
 
     # ---- layout -----------------------------------------------------------------------
     def _build(self, order: list[int]) -> None:
@@ -332,10 +333,10 @@ class Reducer:
         if self._may_rebuild and not self._rebuilt and self.num_synced_iters == 1:
             self.rebuild_pending = True  # others rebuild now; this rank joins with no order
 
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+
+def _remove_hooks(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _ready_hook(reducer_ref: "weakref.ReferenceType[Reducer]", i: int) -> Callable:

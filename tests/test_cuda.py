@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import pycoll
 from pycoll.core.reductions import make_reduction
-from pycoll.cuda import dtypes as D
+from pycoll.cuda import dtypes
 from pycoll.cuda.ipc import IpcPath
 from pycoll.cuda.paths import (
     CudaPathError,
@@ -124,44 +124,44 @@ NEW, OLD = 22703, 2805  # NCCL 2.27.3, 2.8.5 (codes before 2.9 are X*1000 + Y*10
     (torch.complex128, "ncclFloat64"),
 ])
 def test_nccl_dtype_table(dtype, name):
-    nr = D.nccl_reduction(dtype, "sum", NEW)
-    assert D.NAMES[nr.datatype] == name
+    nr = dtypes.nccl_reduction(dtype, "sum", NEW)
+    assert dtypes.NAMES[nr.datatype] == name
     assert nr.as_real == dtype.is_complex
-    assert D.OP_NAMES[nr.op] == ("ncclMax" if dtype is torch.bool else "ncclSum")
+    assert dtypes.OP_NAMES[nr.op] == ("ncclMax" if dtype is torch.bool else "ncclSum")
 
 
 def test_nccl_enum_values_are_ncclh():
     # nccl.h: ncclInt8=0 ... ncclFloat64=8, ncclBfloat16=9; ncclSum=0, ncclProd=1, ncclMax=2, ncclMin=3, ncclAvg=4
-    assert (D.INT8, D.UINT8, D.INT32, D.UINT32, D.INT64, D.UINT64, D.FLOAT16, D.FLOAT32, D.FLOAT64,
-            D.BFLOAT16) == tuple(range(10))
-    assert (D.SUM, D.PROD, D.MAX, D.MIN, D.AVG) == (0, 1, 2, 3, 4)
+    assert (dtypes.INT8, dtypes.UINT8, dtypes.INT32, dtypes.UINT32, dtypes.INT64, dtypes.UINT64, dtypes.FLOAT16, dtypes.FLOAT32, dtypes.FLOAT64,
+            dtypes.BFLOAT16) == tuple(range(10))
+    assert (dtypes.SUM, dtypes.PROD, dtypes.MAX, dtypes.MIN, dtypes.AVG) == (0, 1, 2, 3, 4)
 
 
 def test_nccl_ops():
-    assert D.nccl_reduction(torch.float32, "avg", NEW) == D.NcclReduction(D.FLOAT32, D.AVG, False, False)
-    assert D.nccl_reduction(torch.float32, "avg", OLD) == D.NcclReduction(D.FLOAT32, D.SUM, False, True)
-    assert D.nccl_reduction(torch.int64, "avg", NEW) == D.NcclReduction(D.INT64, D.SUM, False, True)
-    assert D.nccl_reduction(torch.complex64, "avg", NEW) == D.NcclReduction(D.FLOAT32, D.SUM, True, True)
-    assert D.nccl_reduction(torch.float16, "premul_sum", NEW).op == D.SUM
-    assert [D.nccl_reduction(torch.bool, o, NEW).op for o in ("sum", "max", "product", "min")] == \
-        [D.MAX, D.MAX, D.MIN, D.MIN]
-    assert D.nccl_reduction(torch.int32, "product", NEW).op == D.PROD
+    assert dtypes.nccl_reduction(torch.float32, "avg", NEW) == dtypes.NcclReduction(dtypes.FLOAT32, dtypes.AVG, False, False)
+    assert dtypes.nccl_reduction(torch.float32, "avg", OLD) == dtypes.NcclReduction(dtypes.FLOAT32, dtypes.SUM, False, True)
+    assert dtypes.nccl_reduction(torch.int64, "avg", NEW) == dtypes.NcclReduction(dtypes.INT64, dtypes.SUM, False, True)
+    assert dtypes.nccl_reduction(torch.complex64, "avg", NEW) == dtypes.NcclReduction(dtypes.FLOAT32, dtypes.SUM, True, True)
+    assert dtypes.nccl_reduction(torch.float16, "premul_sum", NEW).op == dtypes.SUM
+    assert [dtypes.nccl_reduction(torch.bool, o, NEW).op for o in ("sum", "max", "product", "min")] == \
+        [dtypes.MAX, dtypes.MAX, dtypes.MIN, dtypes.MIN]
+    assert dtypes.nccl_reduction(torch.int32, "product", NEW).op == dtypes.PROD
     for dtype, op in ((torch.int16, "sum"), (torch.int32, "band"), (torch.bool, "bxor"),
                       (torch.complex64, "max"), (torch.complex128, "product")):
-        with pytest.raises(D.NcclUnsupported):
-            D.nccl_reduction(dtype, op, NEW)
+        with pytest.raises(dtypes.NcclUnsupported):
+            dtypes.nccl_reduction(dtype, op, NEW)
     with pytest.raises(ValueError, match="NCCL >= 2.10"):
-        D.nccl_reduction(torch.bfloat16, "sum", OLD)
-    assert D.fmt_version(NEW) == "2.27.3" and D.fmt_version(OLD) == "2.8.5"
+        dtypes.nccl_reduction(torch.bfloat16, "sum", OLD)
+    assert dtypes.fmt_version(NEW) == "2.27.3" and dtypes.fmt_version(OLD) == "2.8.5"
 
 
 def test_cupy_constants_are_checked():
     class Fake:
         NCCL_FLOAT32, NCCL_SUM, NCCL_AVG = 7, 0, 4
-    D.check_cupy_constants(Fake)
+    dtypes.check_cupy_constants(Fake)
     Fake.NCCL_AVG = 5
     with pytest.raises(RuntimeError, match="NCCL_AVG"):
-        D.check_cupy_constants(Fake)
+        dtypes.check_cupy_constants(Fake)
 
 
 # -- registration and dispatch -------------------------------------------------------------------------

@@ -221,3 +221,24 @@ def test_timeline_shows_early_buckets_reduced_before_backward_ends(backend) -> N
         both = [tl for tl in first if tl["buckets"][1]["end"] < tl["backward_end"]]
         detail = "\n".join(_ms(tl) for tl in steady)
         assert len(first) >= 2 and len(both) >= 1, detail
+
+
+def _rewrap_hooks(rank, world):
+    import gc
+
+    from ddp import DistributedDataParallel as DDP
+
+    module = torch.nn.Linear(4, 4)
+    counts = []
+    for _ in range(3):
+        model = DDP(module)
+        model(torch.randn(2, 4)).sum().backward()
+        del model
+        gc.collect()
+        counts.append(len(module.weight._post_accumulate_grad_hooks or {}))
+    return counts
+
+
+def test_a_dropped_wrapper_takes_its_hooks_off_the_parameters():
+    """Re-wrapping a module (after a shrink, say) must not pile up hooks of dead reducers."""
+    assert run_ranks(_rewrap_hooks, 2, backend="pycoll") == [[0, 0, 0]] * 2

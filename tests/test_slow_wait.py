@@ -22,12 +22,12 @@ pytestmark = pytest.mark.timeout(60)
 def test_due_runs_the_hook_once_and_only_inside_the_context():
     calls = []
     assert slow_wait.due(time.monotonic()) == math.inf           # no hook
-    with slow_wait.on_slow(10.0, lambda: calls.append(1)):
+    with slow_wait.OnSlow(10.0, lambda: calls.append(1)):
         left = slow_wait.due(time.monotonic())
         assert 9.0 < left <= 10.0 and calls == []                 # not yet due: how long to wait
         assert slow_wait.due(time.monotonic() + 11) == math.inf and calls == [1]
         assert slow_wait.due(time.monotonic() + 12) == math.inf and calls == [1]   # once
-    with slow_wait.on_slow(0.0, lambda: calls.append(2)):
+    with slow_wait.OnSlow(0.0, lambda: calls.append(2)):
         pass
     assert slow_wait.due(time.monotonic() + 1) == math.inf and calls == [1]      # cleared on exit
 
@@ -38,11 +38,11 @@ def _late_peer(rank, world, late_s):
     if rank == 1:
         time.sleep(late_s)
     t0 = time.monotonic()
-    with slow_wait.on_slow(0.05, lambda: fired.append(time.monotonic() - t0)):
+    with slow_wait.OnSlow(0.05, lambda: fired.append(time.monotonic() - t0)):
         dist.all_reduce(t)
     dist.barrier()
     prompt: list[int] = []
-    with slow_wait.on_slow(5.0, lambda: prompt.append(1)):
+    with slow_wait.OnSlow(5.0, lambda: prompt.append(1)):
         dist.all_reduce(t)
     return fired, prompt, t[0].item()
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pycoll.c10d import sparse
 from pycoll.c10d.checks import no_write_back
 from pycoll.c10d.plans import Plan
-from pycoll.core import collectives as C
+from pycoll.core import collectives
 
-PRIMITIVES = {"all_reduce": C.all_reduce, "broadcast": C.broadcast, "reduce": C.reduce,
-              "all_gather": C.all_gather, "gather": C.gather, "scatter": C.scatter,
-              "reduce_scatter": C.reduce_scatter, "all_to_all": C.all_to_all, "barrier": C.barrier,
+PRIMITIVES = {"all_reduce": collectives.all_reduce, "broadcast": collectives.broadcast, "reduce": collectives.reduce,
+              "all_gather": collectives.all_gather, "gather": collectives.gather, "scatter": collectives.scatter,
+              "reduce_scatter": collectives.reduce_scatter, "all_to_all": collectives.all_to_all, "barrier": collectives.barrier,
               "sparse_all_reduce": sparse.all_reduce}
 
 
@@ -23,7 +23,7 @@ def task(comm, plan: Plan):
     args, finish = plan.args, plan.finish
     if plan.op == "all_reduce" and not callable(args):
         # The latency path: the small shared-memory round is chosen here, once.
-        run = C.all_reduce_task(comm, *args)
+        run = collectives.all_reduce_task(comm, *args)
         if finish is no_write_back:
             return run
     else:

@@ -13,7 +13,7 @@ import torch
 
 from pycoll.c10d.monitored import monitored_barrier as _monitored
 from pycoll.c10d.plans import Plan
-from pycoll.core import collectives as C
+from pycoll.core import collectives
 from pycoll.core import tags
 from pycoll.core.executor import byte_view
 from pycoll.core.work import Work
@@ -50,7 +50,7 @@ def post(comm, plan: Plan, timeout_s: float) -> Work:
 
     engine = comm.p2p
     fn = engine.isend if plan.op == "send" else engine.irecv
-    fn(peer, plan.tag, byte_view(f), C.dtype_name(f.dtype), f.numel(), time.monotonic() + timeout_s, done)
+    fn(peer, plan.tag, byte_view(f), collectives.dtype_name(f.dtype), f.numel(), time.monotonic() + timeout_s, done)
     return work
 
 

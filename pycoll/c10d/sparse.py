@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pycoll.core import collectives as C
+from pycoll.core import collectives
 from pycoll.errors import MismatchError
 
 
@@ -34,7 +34,7 @@ def all_reduce(comm, t: torch.Tensor, seq: int, deadline: float) -> None:
         metas = torch.empty(world * meta.numel(), dtype=torch.int64)
         # Ranks of different shapes have metadata of different lengths: the signature of
         # this first all-gather (its element count) tells them apart.
-        C.all_gather(comm, metas, meta, seq, deadline)
+        collectives.all_gather(comm, metas, meta, seq, deadline)
         metas = metas.view(world, -1)
         if not bool((metas[:, 1:] == metas[0, 1:]).all()):
             raise MismatchError(f"all_reduce seq {seq}: sparse tensors differ in shape or sparse "
@@ -48,8 +48,8 @@ def all_reduce(comm, t: torch.Tensor, seq: int, deadline: float) -> None:
         val[:nnz[comm.rank]] = mine._values()
         idxs = torch.empty(world * idx.numel(), dtype=torch.int64)
         vals = torch.empty(world * val.numel(), dtype=val.dtype)
-        C.all_gather(comm, idxs, idx.reshape(-1), seq, deadline)
-        C.all_gather(comm, vals, val.reshape(-1), seq, deadline)
+        collectives.all_gather(comm, idxs, idx.reshape(-1), seq, deadline)
+        collectives.all_gather(comm, vals, val.reshape(-1), seq, deadline)
         idxs = idxs.view(world, sparse_dim, top)
         vals = vals.view(world, top, *dense)
         total = torch.sparse_coo_tensor(

@@ -60,7 +60,7 @@ class Local:
 
 
 @dataclass
-class Timeline:
+class Drawing:
     collective: str
     algorithm: str
     world: int
@@ -167,7 +167,7 @@ def build(collective: str, algorithm: str, world: int, count: int | None = None,
 
 
 def timeline(collective: str, algorithm: str, world: int, count: int | None = None,
-             root: int = 0) -> Timeline:
+             root: int = 0) -> Drawing:
     """Match every transfer and place every rank's steps on global rounds (see module doc)."""
     scheds = build(collective, algorithm, world, count, root)
     n = default_count(collective, world) if count is None else count
@@ -211,7 +211,7 @@ def timeline(collective: str, algorithm: str, world: int, count: int | None = No
                         raise ValueError(f"{scheds[0].name}: the steps cannot be placed on "
                                          "rounds (a transfer cycle: the schedule would deadlock)")
                     rr[i], changed = want, True
-    tl = Timeline(collective, algorithm, world, n, root if collective in ROOTED else None,
+    tl = Drawing(collective, algorithm, world, n, root if collective in ROOTED else None,
                   scheds, rounds)
     tl.transfers = sorted((Transfer(rounds[src][i], src, dst, snd, rcv)
                            for src, i, snd, dst, j, rcv in pairs),
@@ -224,7 +224,7 @@ def timeline(collective: str, algorithm: str, world: int, count: int | None = No
 
 # ---------------------------------------------------------------- text mode
 
-def table(tl: Timeline) -> str:
+def table(tl: Drawing) -> str:
     """The schedule as a table: one line per transfer (both ends) or local action, by round."""
     root = f", root {tl.root}" if tl.root is not None else ""
     fell = "" if tl.name.startswith(tl.algorithm) else f" (runs {tl.name})"

@@ -1,4 +1,4 @@
-"""Matplotlib rendering of a ``draw.Timeline``: ranks as rows, one column per round.
+"""Matplotlib rendering of a ``draw.Drawing``: ranks as rows, one column per round.
 
 Each cell shows the rank's buffers as bars (one box per element when they are short), with
 the ranges the step touches filled in, and the step's actions as text. Arrows run from the

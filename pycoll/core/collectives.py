@@ -42,11 +42,11 @@ def all_reduce_task(comm, t: torch.Tensor, red: Reduction):
     message that one shared-memory round holds, ``small_all_reduce``: the latency path,
     chosen here once so that running it costs two Python frames and their checks fewer."""
     if comm.mode == "shm" and red.factor is None and shm.is_small_all_reduce(comm.arena, t, red):
-        return functools.partial(small_all_reduce, comm.arena, t, red)
+        return functools.partial(_small_all_reduce_step, comm.arena, t, red)
     return functools.partial(all_reduce, comm, t, red)
 
 
-def small_all_reduce(arena, t: torch.Tensor, red: Reduction, seq: int, deadline: float) -> None:
+def _small_all_reduce_step(arena, t: torch.Tensor, red: Reduction, seq: int, deadline: float) -> None:
     shm.small_all_reduce(arena, t, red, signature("all_reduce", seq, t.dtype, t.numel(), red.name),
                          deadline, f"all_reduce seq {seq}")
     red.finish(t)

@@ -45,9 +45,9 @@ from pycoll.core.shm_rounds import (
 from pycoll.errors import MismatchError
 from pycoll.transport.shm.arena import ShmArena
 
-# Two-rank all_reduce rounds of 1 MiB rather than the whole 4 MiB slot: medians of 6 runs
-# each, 2026-12-03, busbw at 4 / 16 / 64 MiB: 6.5 / 4.9 / 5.7 GB/s against 5.1 / 4.1 / 3.5
-# with 4 MiB rounds (512 KiB rounds: 5.7 / 5.3 / 6.2; 2 MiB: 4.6 / 4.3 / 4.9).
+# Two-rank all_reduce rounds of 1 MiB rather than the whole 4 MiB slot: a round that stays
+# in the caches beats one that streams through memory (measured: docs/performance.md,
+# "Shared-memory round size").
 PAIR_ROUND_BYTES = 1 << 20
 _FLOAT16 = torch.float16   # (a module global: read on every small all_reduce)
 # numpy computes float16 in software (230 us against torch's 5 us at 32768 elements): the

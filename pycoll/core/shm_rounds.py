@@ -34,7 +34,7 @@ def words_nbytes(words: tuple[int, ...]) -> int:
     return wire.nbytes(sig) if sig is not None else 0
 
 
-def describe(words: tuple[int, ...]) -> str:
+def describe_words(words: tuple[int, ...]) -> str:
     sig = wire.unpack(words)
     return sig.describe() if sig is not None else f"<unknown collective {words}>"
 
@@ -71,7 +71,7 @@ class Barriers:
         self.arena.sync(self.deadline, self.what)
         if self.first:
             self.first = False
-            self.arena.check_signatures(self.words, describe)
+            self.arena.check_signatures(self.words, describe_words)
 
     def _observed(self) -> None:
         """A barrier, told to the observers with the copy/reduce phase before it."""
@@ -79,7 +79,7 @@ class Barriers:
         a.sync(self.deadline, self.what)
         if self.first:
             self.first = False
-            a.check_signatures(self.words, describe)
+            a.check_signatures(self.words, describe_words)
         t1 = time.monotonic()
         self.count += 1
         rnd = a.rounds - self.round0

@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from pycoll.algorithms.schedule import chunks, displacements
-from pycoll.core.shm_rounds import counts_hash, describe, signature
+from pycoll.core.shm_rounds import counts_hash, describe_words, signature
 from pycoll.transport.shm.arena import ShmArena
 
 ONE_SHOT_BYTES = 256 << 10
@@ -116,7 +116,7 @@ class IpcPath:
         self.arena.sync(self._deadline, self._what)
         if self._first:
             self._first = False
-            self.arena.check_signatures(self._words, describe)
+            self.arena.check_signatures(self._words, describe_words)
 
     def _begin(self) -> int:
         self.rounds += 1

@@ -24,7 +24,7 @@ import json
 import torch
 
 from pycoll.algorithms.schedule import displacements
-from pycoll.cuda import dtypes as D
+from pycoll.cuda import dtypes
 
 
 class NcclPath:
@@ -34,7 +34,7 @@ class NcclPath:
         import cupy
         from cupy.cuda import nccl
 
-        D.check_cupy_constants(nccl)
+        dtypes.check_cupy_constants(nccl)
         self.nccl, self.rank, self.world, self.device = nccl, rank, world, device
         self.version = nccl.get_version()
         key = "pycoll/cuda/nccl/uid"
@@ -53,11 +53,11 @@ class NcclPath:
         return torch.cuda.current_stream().cuda_stream
 
     def check_reduction(self, dtype: torch.dtype, red) -> None:
-        D.nccl_reduction(dtype, red.name, self.version)  # raises NcclUnsupported (a ValueError)
+        dtypes.nccl_reduction(dtype, red.name, self.version)  # raises NcclUnsupported (a ValueError)
 
     def _reduce_args(self, t: torch.Tensor, red):
         """(tensor to hand NCCL, count, datatype, op, divide afterwards)."""
-        nr = D.nccl_reduction(t.dtype, red.name, self.version)
+        nr = dtypes.nccl_reduction(t.dtype, red.name, self.version)
         view = torch.view_as_real(t).view(-1) if nr.as_real else t
         if t.dtype is torch.bool:
             view = t.view(torch.uint8)
@@ -78,7 +78,7 @@ class NcclPath:
     def broadcast(self, t, root: int) -> None:
         ptr, nbytes = self._bytes(t)
         if nbytes:
-            self.comm.broadcast(ptr, ptr, nbytes, D.UINT8, root, self._stream())
+            self.comm.broadcast(ptr, ptr, nbytes, dtypes.UINT8, root, self._stream())
 
     def reduce(self, t, root: int, red) -> None:
         src = t
@@ -95,7 +95,7 @@ class NcclPath:
     def all_gather(self, out, inp) -> None:
         ptr, nbytes = self._bytes(inp)
         if nbytes:
-            self.comm.allGather(ptr, out.data_ptr(), nbytes, D.UINT8, self._stream())
+            self.comm.allGather(ptr, out.data_ptr(), nbytes, dtypes.UINT8, self._stream())
 
     def reduce_scatter(self, out, inp, counts, red) -> None:
         if red.factor is not None:
@@ -131,9 +131,9 @@ class NcclPath:
                 if q == me:
                     continue
                 if send_counts[q]:
-                    self.comm.send(inp[sd[q]:].data_ptr(), send_counts[q] * isz, D.UINT8, q, s)
+                    self.comm.send(inp[sd[q]:].data_ptr(), send_counts[q] * isz, dtypes.UINT8, q, s)
                 if recv_counts[q]:
-                    self.comm.recv(out[rd[q]:].data_ptr(), recv_counts[q] * isz, D.UINT8, q, s)
+                    self.comm.recv(out[rd[q]:].data_ptr(), recv_counts[q] * isz, dtypes.UINT8, q, s)
         finally:
             self.nccl.groupEnd()
 
@@ -149,9 +149,9 @@ class NcclPath:
             if self.rank == root:
                 for q in range(self.world):
                     if q != root:
-                        self.comm.recv(out[q * n:].data_ptr(), nbytes, D.UINT8, q, s)
+                        self.comm.recv(out[q * n:].data_ptr(), nbytes, dtypes.UINT8, q, s)
             else:
-                self.comm.send(inp.data_ptr(), nbytes, D.UINT8, root, s)
+                self.comm.send(inp.data_ptr(), nbytes, dtypes.UINT8, root, s)
         finally:
             self.nccl.groupEnd()
 
@@ -167,25 +167,25 @@ class NcclPath:
             if self.rank == root:
                 for q in range(self.world):
                     if q != root:
-                        self.comm.send(inp[q * n:].data_ptr(), nbytes, D.UINT8, q, s)
+                        self.comm.send(inp[q * n:].data_ptr(), nbytes, dtypes.UINT8, q, s)
             else:
-                self.comm.recv(out.data_ptr(), nbytes, D.UINT8, root, s)
+                self.comm.recv(out.data_ptr(), nbytes, dtypes.UINT8, root, s)
         finally:
             self.nccl.groupEnd()
 
     def barrier(self) -> None:
-        self.comm.allReduce(self._one.data_ptr(), self._one.data_ptr(), 1, D.INT32, D.SUM, self._stream())
+        self.comm.allReduce(self._one.data_ptr(), self._one.data_ptr(), 1, dtypes.INT32, dtypes.SUM, self._stream())
         torch.cuda.current_stream().synchronize()
 
     def send(self, t, peer: int) -> None:
         ptr, nbytes = self._bytes(t)
         if nbytes:
-            self.comm.send(ptr, nbytes, D.UINT8, peer, self._stream())
+            self.comm.send(ptr, nbytes, dtypes.UINT8, peer, self._stream())
 
     def recv(self, t, peer: int) -> None:
         ptr, nbytes = self._bytes(t)
         if nbytes:
-            self.comm.recv(ptr, nbytes, D.UINT8, peer, self._stream())
+            self.comm.recv(ptr, nbytes, dtypes.UINT8, peer, self._stream())
 
     # -- lifecycle ---------------------------------------------------------------------------
     def abort_peers(self, why: str) -> None:

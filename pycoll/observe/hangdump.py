@@ -23,7 +23,7 @@ import weakref
 
 from pycoll import wire
 from pycoll.core.observer import Observer
-from pycoll.core.shm_rounds import describe as describe_words
+from pycoll.core.shm_rounds import describe_words
 
 log = logging.getLogger("pycoll")
 _live: "weakref.WeakSet" = weakref.WeakSet()
@@ -40,7 +40,7 @@ class HangDump(Observer):
     def failed(self, comm, exc: BaseException) -> None:
         try:
             log.error("rank %d: pending at failure (%s): %s", comm.rank, type(exc).__name__,
-                      describe(comm.snapshot(live=False)))
+                      format_snapshot(comm.snapshot(live=False)))
         except Exception:  # noqa: BLE001 - never mask the original error
             pass
 
@@ -74,7 +74,7 @@ def dump(reason: str) -> list[str]:
             snap = comm.snapshot()
             if snap["closed"] and snap["current"] is None:
                 continue
-            text = f"rank {snap['rank']}/{snap['world']} ({reason}): {describe(snap)}"
+            text = f"rank {snap['rank']}/{snap['world']} ({reason}): {format_snapshot(snap)}"
         except Exception as exc:  # noqa: BLE001 - a dump must never raise in a signal handler
             text = f"rank {comm.rank} ({reason}): could not describe the pending op: {exc!r}"
         log.warning("%s", text)
@@ -82,7 +82,7 @@ def dump(reason: str) -> list[str]:
     return out
 
 
-def describe(snap: dict) -> str:
+def format_snapshot(snap: dict) -> str:
     """One line: the op, its sequence number, step, peers and bytes done of total."""
     cur, queued = snap["current"], snap["queued"]
     if cur is None:

@@ -149,7 +149,7 @@ class RoundServing:
             if from_progress_thread or self.activation_delay <= 0:
                 self._act.send(k)
             elif self._inline:
-                late_hook = waits.on_slow(self.activation_delay, lambda: self._act.send(k))
+                late_hook = waits.OnSlow(self.activation_delay, lambda: self._act.send(k))
             else:
                 with self._lock:
                     self._timer = (k, time.monotonic() + self.activation_delay)

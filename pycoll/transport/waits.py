@@ -6,7 +6,7 @@ nobody is late). The transports' wait loops (shared-memory futex waits, TCP poll
 ``due()`` before they block and cap their wait by what it returns; it costs one thread-local
 lookup, and only once a wait is about to block.
 
-    with slow_wait.on_slow(0.002, activate):   # activate() runs at most once, in this thread,
+    with waits.OnSlow(0.002, activate):   # activate() runs at most once, in this thread,
         dist.all_reduce(buf, group=pg)         # if the collective is still waiting after 2 ms
 
 Only collectives that run in the calling thread see the hook (pycoll runs a blocking call
@@ -23,7 +23,7 @@ from typing import Callable
 _local = threading.local()
 
 
-class on_slow:
+class OnSlow:
     """Set this thread's hook for the length of a ``with`` block (a class: a generator-based
     context manager costs three times as much, and the partial all-reduce enters one every
     round)."""

@@ -38,7 +38,7 @@ import torch
 
 from pycoll import rendezvous
 from pycoll.errors import CommTimeoutError, MismatchError, PeerClosedError
-from pycoll.transport import waits as slow_wait
+from pycoll.transport import waits
 
 LINE = 512                  # bytes of control per rank
 SLEEP = 3                   # int32 word of a rank's line: set while it may block in FUTEX_WAIT
@@ -288,7 +288,7 @@ class ShmArena:
                 if self.spin:
                     now = time.perf_counter()
                     if spin_end is None:   # (a partial all-reduce's activation hook is not kept waiting)
-                        spin_end = now + min(self._spin_now, slow_wait.due(time.monotonic()))
+                        spin_end = now + min(self._spin_now, waits.due(time.monotonic()))
                     if now < spin_end:
                         continue
                 now = time.monotonic()
@@ -300,7 +300,7 @@ class ShmArena:
                                            rank=self.ranks[self.me], peer=self.ranks[r])
                 if not slept:
                     ctrl[me_word + SLEEP] = slept = 1
-                _futex_wait(self._base + word * 4, v, min(left, WAIT_SLICE, slow_wait.due(now)))
+                _futex_wait(self._base + word * 4, v, min(left, WAIT_SLICE, waits.due(now)))
                 if ctrl[word] == v:
                     pid = self.pids[r] or ctrl[word + 2]
                     if pid and not _alive(pid):

@@ -22,8 +22,7 @@ wake-up can be missed: a waiter that read the doorbell before the change sees th
 after it or finds the doorbell changed. With more ranks lanes are shared and a lost
 increment can cost one wait slice, never a hang.
 
-Measured here (2 processes, executor, ring all-reduce): 60 us at 8 bytes, 0.9 ms at 4 MiB,
-3.4 ms at 16 MiB; TCP on loopback 70-120 us, 2.0 ms and 7.0 ms.
+How it compares with TCP on loopback: docs/transports.md.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ import time
 from typing import Sequence
 
 from pycoll.errors import CommError, CommTimeoutError, PeerClosedError
-from pycoll.transport import waits as slow_wait
+from pycoll.transport import waits
 from pycoll.transport.base import InFrame, OutFrame, Transport, control_error
 from pycoll.transport.shm import futex
 from pycoll.transport.shm.arena import ShmArena
@@ -82,15 +81,15 @@ class ShmTransport(Transport):
         self._closed = False
         self._progress = None
 
-    def _g(self, r: int) -> int:
+    def _rank_of(self, r: int) -> int:
         return self.ranks[r] if 0 <= r < len(self.ranks) else r
 
     # -- data path ---------------------------------------------------------------------
     def exchange(self, outs: Sequence[OutFrame], ins: Sequence[InFrame], deadline: float,
                  what: str) -> None:
         if self._closed:
-            raise CommError(f"{what}: rank {self._g(self.rank)}'s shared-memory transport is closed",
-                            rank=self._g(self.rank))
+            raise CommError(f"{what}: rank {self._rank_of(self.rank)}'s shared-memory transport is closed",
+                            rank=self._rank_of(self.rank))
         if self.aborted is not None:
             raise self._aborted_error(what)
         sends: dict[int, SendState] = {}
@@ -117,8 +116,8 @@ class ShmTransport(Transport):
                 # Interrupted mid-frame (KeyboardInterrupt, a failing reduction): the rings
                 # may stand mid-frame, so this transport must not be used again.
                 interrupted = exc
-                self._fail(PeerClosedError(f"{what}: rank {self._g(self.rank)} was interrupted: "
-                                           f"{type(exc).__name__}: {exc}", rank=self._g(self.rank)))
+                self._fail(PeerClosedError(f"{what}: rank {self._rank_of(self.rank)} was interrupted: "
+                                           f"{type(exc).__name__}: {exc}", rank=self._rank_of(self.rank)))
                 raise
             finally:
                 self._progress = None
@@ -144,8 +143,8 @@ class ShmTransport(Transport):
             if not (sends or recvs):
                 return
             if self._closed:
-                raise CommError(f"{what}: rank {self._g(self.rank)}'s shared-memory transport was "
-                                f"closed during the exchange", rank=self._g(self.rank))
+                raise CommError(f"{what}: rank {self._rank_of(self.rank)}'s shared-memory transport was "
+                                f"closed during the exchange", rank=self._rank_of(self.rank))
             if self.aborted is not None:
                 raise self._aborted_error(what)
             now = time.monotonic()
@@ -159,10 +158,10 @@ class ShmTransport(Transport):
                 raise self._timeout(sends, recvs, what)
             if self.arena.spin:
                 if spin_end is None:
-                    spin_end = now + min(self.arena.spin, SPIN_CAP, slow_wait.due(now))
+                    spin_end = now + min(self.arena.spin, SPIN_CAP, waits.due(now))
                 if now < spin_end:
                     continue
-            futex.wait(box.bell_at[self.rank].value, bell, min(deadline - now, WAIT_SLICE, slow_wait.due(now)))
+            futex.wait(box.bell_at[self.rank].value, bell, min(deadline - now, WAIT_SLICE, waits.due(now)))
             if time.monotonic() >= alive_at:
                 self._check_alive(sends, recvs, what)
                 alive_at = time.monotonic() + WAIT_SLICE
@@ -197,23 +196,23 @@ class ShmTransport(Transport):
     def _peer_error(self, peer: int, kind: int, what: str) -> CommError:
         reason, error, origin = self.box.reason(peer)
         hdr = Header(kind, Signature("control", -1, "", 0, error, origin), 0, 0, len(reason))
-        return control_error(hdr, reason, self._g(self.rank), self._g(peer), what)
+        return control_error(hdr, reason, self._rank_of(self.rank), self._rank_of(peer), what)
 
     def _died(self, peer: int, what: str, pid: str) -> PeerClosedError:
-        exc = PeerClosedError(f"{what}: rank {self._g(peer)}{pid} died (killed or crashed); rank "
-                              f"{self._g(self.rank)} saw it in a shared-memory exchange",
-                              rank=self._g(self.rank), peer=self._g(peer))
-        exc.origin = self._g(peer)
+        exc = PeerClosedError(f"{what}: rank {self._rank_of(peer)}{pid} died (killed or crashed); rank "
+                              f"{self._rank_of(self.rank)} saw it in a shared-memory exchange",
+                              rank=self._rank_of(self.rank), peer=self._rank_of(peer))
+        exc.origin = self._rank_of(peer)
         return exc
 
     def _timeout(self, sends: dict, recvs: dict, what: str) -> CommTimeoutError:
         parts = [f"received {st.done + (st.off if st.cur is not None else 0)} of {st.total} bytes from "
-                 f"rank {self._g(p)}" for p, st in recvs.items()]
-        parts += [f"rank {self._g(p)} has not yet taken {q.left()} of {q.total} bytes sent to it"
+                 f"rank {self._rank_of(p)}" for p, st in recvs.items()]
+        parts += [f"rank {self._rank_of(p)} has not yet taken {q.left()} of {q.total} bytes sent to it"
                   for p, q in sends.items()]
-        peer = self._g(next(iter(recvs), next(iter(sends), -1)))
-        return CommTimeoutError(f"{what}: rank {self._g(self.rank)} timed out waiting for rank {peer} in "
-                                f"shared memory: " + "; ".join(parts), rank=self._g(self.rank), peer=peer)
+        peer = self._rank_of(next(iter(recvs), next(iter(sends), -1)))
+        return CommTimeoutError(f"{what}: rank {self._rank_of(self.rank)} timed out waiting for rank {peer} in "
+                                f"shared memory: " + "; ".join(parts), rank=self._rank_of(self.rank), peer=peer)
 
     def _fail(self, exc: CommError) -> None:
         if self._failure is None:
@@ -223,8 +222,8 @@ class ShmTransport(Transport):
 
     def _aborted_error(self, what: str) -> PeerClosedError:
         f = self._failure
-        exc = PeerClosedError(f"{what}: rank {self._g(self.rank)}: transport was aborted ({self.aborted})",
-                              rank=self._g(self.rank), peer=f.peer if f is not None else -1)
+        exc = PeerClosedError(f"{what}: rank {self._rank_of(self.rank)}: transport was aborted ({self.aborted})",
+                              rank=self._rank_of(self.rank), peer=f.peer if f is not None else -1)
         if f is not None:
             exc.origin, exc.root_cause = f.origin, f.root_cause
         return exc
@@ -235,9 +234,9 @@ class ShmTransport(Transport):
         if state is None:
             return "between transfers (framing or reducing)"
         sends, recvs = state
-        parts = [f"waiting for rank {self._g(p)}: received {st.done + st.off} of {st.total} bytes"
+        parts = [f"waiting for rank {self._rank_of(p)}: received {st.done + st.off} of {st.total} bytes"
                  for p, st in list(recvs.items())]
-        parts += [f"sending to rank {self._g(p)}: {q.total - q.left()} of {q.total} bytes written"
+        parts += [f"sending to rank {self._rank_of(p)}: {q.total - q.left()} of {q.total} bytes written"
                   for p, q in list(sends.items())]
         return "; ".join(parts) or "all transfers of the step done"
 
@@ -245,7 +244,7 @@ class ShmTransport(Transport):
     def _publish(self, state: int, reason: str = "") -> None:
         if self._closed and state != CLOSED:
             return
-        f, me = self._failure, self._g(self.rank)
+        f, me = self._failure, self._rank_of(self.rank)
         if f is None:
             self.box.publish(state, f"rank {me}: {reason}", "PeerClosedError", me)
         else:   # a failure of this rank's own: peers report its root cause, as over TCP

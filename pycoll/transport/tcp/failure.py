@@ -15,7 +15,7 @@ connections, the errors a step raises, and abort/sever/close.
   acted on after ``DEAD_PEER_GRACE`` seconds, in case the step completes without that peer.
 
 ``FailureHandling`` is a base class of ``tcp.TcpTransport``: its methods use the
-transport's ``rank``, ``conns``, ``_st`` (a ``SharedState``), ``_g`` and ``aborted``.
+transport's ``rank``, ``conns``, ``_shared`` (a ``SharedState``), ``_rank_of`` and ``aborted``.
 """
 
 from __future__ import annotations
@@ -82,11 +82,11 @@ class FailureHandling:
     """What a TCP transport does when something goes wrong, and how it says goodbye."""
 
     def _failed(self, exc: CommError, sends: dict[int, "SendState"]) -> None:
-        if self._st.failure is None:
-            self._st.failure = exc
-        if self._st.aborted is None:
-            self._st.aborted = str(exc)
-        self._st.partial = {self.conns[p]: q.partial() for p, q in sends.items() if q.partial()}
+        if self._shared.failure is None:
+            self._shared.failure = exc
+        if self._shared.aborted is None:
+            self._shared.aborted = str(exc)
+        self._shared.partial = {self.conns[p]: q.partial() for p, q in sends.items() if q.partial()}
 
     # -- watching connections a step does not use ----------------------------------------
     def _peek(self, conn: Conn, what: str) -> None:
@@ -100,7 +100,7 @@ class FailureHandling:
         except OSError:
             return
         peer = conn.peer
-        nxt = next_frame(conn, self._g(self.rank), self._g(peer), what)
+        nxt = next_frame(conn, self._rank_of(self.rank), self._rank_of(peer), what)
         if nxt is None:
             return
         got = nxt.header
@@ -109,9 +109,9 @@ class FailureHandling:
         cur = self._cur
         if cur is not None and got.sig != cur and got.sig.seq <= cur.seq:
             raise MismatchError(
-                f"collective mismatch: rank {self._g(self.rank)} called {cur.describe()} but rank "
-                f"{self._g(peer)} called {got.sig.describe()}", op=cur.op, seq=cur.seq,
-                rank=self._g(self.rank), peer=self._g(peer))
+                f"collective mismatch: rank {self._rank_of(self.rank)} called {cur.describe()} but rank "
+                f"{self._rank_of(peer)} called {got.sig.describe()}", op=cur.op, seq=cur.seq,
+                rank=self._rank_of(self.rank), peer=self._rank_of(peer))
 
     def _inspect(self, conn: Conn, what: str) -> None:
         """A connection this step does not use hung up: find out why, without consuming.
@@ -141,19 +141,19 @@ class FailureHandling:
                 reason = control_reason(conn.rbuf, f, conn.rend, conn.eof)
                 if reason is None:
                     break
-                raise control_error(f.header, reason, self._g(self.rank), self._g(peer), what)
+                raise control_error(f.header, reason, self._rank_of(self.rank), self._rank_of(peer), what)
         except ProtocolError as exc:
             if isinstance(exc, CommError) and exc.peer >= 0:
                 raise
-            raise garbage(self._g(self.rank), self._g(peer), what, exc) from None
+            raise garbage(self._rank_of(self.rank), self._rank_of(peer), what, exc) from None
         if conn.eof and not conn.bye:
             conn.eof_at = time.monotonic()
 
     # -- errors --------------------------------------------------------------------------
     def _aborted_error(self, what: str) -> PeerClosedError:
-        f = self._st.failure
-        exc = PeerClosedError(f"{what}: rank {self._g(self.rank)}: process group was aborted ({self.aborted})",
-                              rank=self._g(self.rank), peer=f.peer if f is not None else -1)
+        f = self._shared.failure
+        exc = PeerClosedError(f"{what}: rank {self._rank_of(self.rank)}: process group was aborted ({self.aborted})",
+                              rank=self._rank_of(self.rank), peer=f.peer if f is not None else -1)
         if f is not None:
             exc.origin, exc.root_cause = f.origin, f.root_cause
         return exc
@@ -163,17 +163,18 @@ class FailureHandling:
         if st is not None and st.total:
             where = (f" (it had sent {st.done + (st.off if st.cur is not None else 0)} of "
                      f"{st.total} bytes of this step)")
-        exc = PeerClosedError(f"{what}: rank {self._g(peer)} closed its connection to rank {self._g(self.rank)} "
-                              f"without a goodbye: rank {self._g(peer)} died (killed or crashed) or lost "
-                              f"its network{where}", rank=self._g(self.rank), peer=self._g(peer))
-        exc.origin = self._g(peer)
+        exc = PeerClosedError(f"{what}: rank {self._rank_of(peer)} closed its connection to rank {self._rank_of(self.rank)} "
+                              f"without a goodbye: rank {self._rank_of(peer)} died (killed or crashed) or lost "
+                              f"its network{where}", rank=self._rank_of(self.rank), peer=self._rank_of(peer))
+        exc.origin = self._rank_of(peer)
         return exc
 
     def _reset_error(self, peer: int, what: str, err: OSError) -> PeerClosedError:
-        exc = PeerClosedError(f"{what}: the connection from rank {self._g(self.rank)} to rank {self._g(peer)} failed "
-                              f"({err.strerror or err}): rank {self._g(peer)} died or aborted",
-                              rank=self._g(self.rank), peer=self._g(peer))
-        exc.origin = self._g(peer)
+        exc = PeerClosedError(f"{what}: the connection from rank {self._rank_of(self.rank)} to rank "
+                              f"{self._rank_of(peer)} failed "
+                              f"({err.strerror or err}): rank {self._rank_of(peer)} died or aborted",
+                              rank=self._rank_of(self.rank), peer=self._rank_of(peer))
+        exc.origin = self._rank_of(peer)
         return exc
 
     def _timeout(self, sends: dict, recvs: dict, what: str) -> CommTimeoutError:
@@ -186,13 +187,13 @@ class FailureHandling:
                 done = st.off if st.cur is not None else 0
                 detail = (f" (frame step {f.expect.step} segment {f.expect.seg}: {done} of "
                           f"{len(f.dest)} bytes, {len(st.frames)} more frames)")
-            parts.append(f"received {got} of {st.total} bytes from rank {self._g(peer)}{detail}")
+            parts.append(f"received {got} of {st.total} bytes from rank {self._rank_of(peer)}{detail}")
         for peer, q in sends.items():
-            parts.append(f"rank {self._g(peer)} has not yet accepted {q.left()} of "
+            parts.append(f"rank {self._rank_of(peer)} has not yet accepted {q.left()} of "
                          f"{sum(len(b) for b in q.bufs)} bytes sent to it")
         peer = next(iter(recvs), next(iter(sends), -1))
-        return CommTimeoutError(f"{what}: rank {self._g(self.rank)} timed out waiting for rank {self._g(peer)}: "
-                                + "; ".join(parts), rank=self._g(self.rank), peer=self._g(peer))
+        return CommTimeoutError(f"{what}: rank {self._rank_of(self.rank)} timed out waiting for rank {self._rank_of(peer)}: "
+                                + "; ".join(parts), rank=self._rank_of(self.rank), peer=self._rank_of(peer))
 
     # -- lifecycle ---------------------------------------------------------------------
     def abort(self, reason: str) -> None:
@@ -201,49 +202,50 @@ class FailureHandling:
         Called from another thread while an exchange runs, it wakes that exchange (which
         then fails) and sends once the exchange has let go of the sockets.
         """
-        if self._st.closed:
+        if self._shared.closed:
             return
-        if self._st.aborted is None:
-            self._st.aborted = reason
+        if self._shared.aborted is None:
+            self._shared.aborted = reason
         try:
-            os.write(self._st.wake_w, b"x")
+            os.write(self._shared.wake_w, b"x")
         except OSError:
             pass
-        if self._st.lock.acquire(timeout=2 * ABORT_GRACE + 1.0):
+        if self._shared.lock.acquire(timeout=2 * ABORT_GRACE + 1.0):
             try:
                 self._send_abort(reason)
             finally:
-                self._st.lock.release()
+                self._shared.lock.release()
         self._shutdown_all()
 
     def sever(self, reason: str) -> None:
         """Fault injection: drop every connection with no ABORT and no BYE (a crash, to peers)."""
-        if self._st.closed:
+        if self._shared.closed:
             return
-        if self._st.aborted is None:
-            self._st.aborted = reason
-        self._st.abort_sent = True
+        if self._shared.aborted is None:
+            self._shared.aborted = reason
+        self._shared.abort_sent = True
         try:
-            os.write(self._st.wake_w, b"x")
+            os.write(self._shared.wake_w, b"x")
         except OSError:
             pass
         self._shutdown_all()
 
     def _send_abort(self, reason: str) -> None:
-        if self._st.abort_sent or self._st.closed:
+        if self._shared.abort_sent or self._shared.closed:
             return
-        self._st.abort_sent = True
-        f = self._st.failure
+        self._shared.abort_sent = True
+        f = self._shared.failure
         if f is None:
-            frame = control_frame(ABORT, f"rank {self._g(self.rank)}: {reason}", self._g(self.rank), "PeerClosedError")
+            me = self._rank_of(self.rank)
+            frame = control_frame(ABORT, f"rank {me}: {reason}", me, "PeerClosedError")
         else:
-            origin = f.origin if f.origin >= 0 else self._g(self.rank)
+            origin = f.origin if f.origin >= 0 else self._rank_of(self.rank)
             frame = control_frame(ABORT, f.root_cause or str(f), origin, type(f).__name__)
         out: dict[int, list] = {}
         for peer, conn in self.conns.items():
             if conn.eof or conn.bye:
                 continue
-            pad = self._st.partial.get(conn, 0)
+            pad = self._shared.partial.get(conn, 0)
             if pad > MAX_PAD:
                 continue
             out[peer] = [memoryview(bytes(pad)), memoryview(frame)] if pad else [memoryview(frame)]
@@ -284,11 +286,11 @@ class FailureHandling:
                 pass
 
     def close(self) -> None:
-        if self._st.closed or not self._owner:
+        if self._shared.closed or not self._owner:
             return
-        locked = self._st.lock.acquire(timeout=1.0)  # an exchange still running fails on EBADF
+        locked = self._shared.lock.acquire(timeout=1.0)  # an exchange still running fails on EBADF
         try:
-            self._st.closed = True
+            self._shared.closed = True
             if self.aborted is None:
                 bye = control_frame(BYE)
                 for c in self.conns.values():
@@ -309,9 +311,9 @@ class FailureHandling:
                     pass
                 c.sock.close()
             self.conns = {}
-            os.close(self._st.wake_r)
-            os.close(self._st.wake_w)
+            os.close(self._shared.wake_r)
+            os.close(self._shared.wake_w)
         finally:
             if locked:
-                self._st.lock.release()
+                self._shared.lock.release()
         LIVE.discard(self)

@@ -22,7 +22,7 @@ import time
 from typing import Sequence
 
 from pycoll.errors import CommError, PeerClosedError, ProtocolError
-from pycoll.transport import waits as slow_wait
+from pycoll.transport import waits
 from pycoll.transport.base import (
     InFrame,
     OutFrame,
@@ -61,7 +61,7 @@ class TcpTransport(FailureHandling, Transport):
         self.rank, self.world = rank, world
         self.conns = {peer: Conn(s, peer) for peer, s in socks.items()}
         self.ranks = list(range(world))           # group rank of each transport rank
-        self._st = SharedState()
+        self._shared = SharedState()
         self._owner = True
         self._cur = None  # signature of the collective being exchanged
         self._progress = None   # (sends, receives) still open in the step in progress
@@ -75,14 +75,14 @@ class TcpTransport(FailureHandling, Transport):
         sub.rank, sub.world = ranks.index(self.rank), len(ranks)
         sub.conns = {i: self.conns[r] for i, r in enumerate(ranks) if r != self.rank}
         sub.ranks = [self.ranks[r] for r in ranks]
-        sub._st, sub._owner, sub._cur, sub._progress = self._st, False, None, None
+        sub._shared, sub._owner, sub._cur, sub._progress = self._shared, False, None, None
         return sub
 
     @property
     def aborted(self) -> str | None:
-        return self._st.aborted
+        return self._shared.aborted
 
-    def _g(self, r: int) -> int:
+    def _rank_of(self, r: int) -> int:
         """The group rank of transport rank ``r`` (they differ in a subset), for messages."""
         return self.ranks[r] if 0 <= r < len(self.ranks) else r
 
@@ -95,10 +95,10 @@ class TcpTransport(FailureHandling, Transport):
         parts = []
         for peer, r in list(recvs.items()):
             got = r.done + (r.off if r.cur is not None else 0)
-            parts.append(f"waiting for rank {self._g(peer)}: received {got} of {r.total} bytes")
+            parts.append(f"waiting for rank {self._rank_of(peer)}: received {got} of {r.total} bytes")
         for peer, q in list(sends.items()):
             total = sum(len(b) for b in q.bufs)
-            parts.append(f"sending to rank {self._g(peer)}: {total - q.left()} of {total} bytes "
+            parts.append(f"sending to rank {self._rank_of(peer)}: {total - q.left()} of {total} bytes "
                          f"(headers included) accepted")
         return "; ".join(parts) or "all transfers of the step done"
 
@@ -107,11 +107,12 @@ class TcpTransport(FailureHandling, Transport):
                  what: str) -> None:
         if self.aborted is not None:
             raise self._aborted_error(what)
-        if self._st.closed:
-            raise CommError(f"{what}: rank {self._g(self.rank)}'s TCP transport is closed", rank=self._g(self.rank))
+        if self._shared.closed:
+            me = self._rank_of(self.rank)
+            raise CommError(f"{what}: rank {me}'s TCP transport is closed", rank=me)
         sends: dict[int, SendState] = {}
         try:
-            with self._st.lock:
+            with self._shared.lock:
                 try:
                     self._exchange(outs, ins, deadline, what, sends)
                 except CommError as exc:
@@ -119,8 +120,8 @@ class TcpTransport(FailureHandling, Transport):
                     raise
                 except BaseException as exc:
                     self._failed(PeerClosedError(
-                        f"{what}: rank {self._g(self.rank)} was interrupted: {type(exc).__name__}: {exc}",
-                        rank=self._g(self.rank)), sends)
+                        f"{what}: rank {self._rank_of(self.rank)} was interrupted: {type(exc).__name__}: {exc}",
+                        rank=self._rank_of(self.rank)), sends)
                     raise
                 finally:
                     self._progress = None
@@ -129,7 +130,7 @@ class TcpTransport(FailureHandling, Transport):
         except BaseException:
             # Interrupted mid-step (KeyboardInterrupt, a failing reduction): the streams may
             # stand mid-frame, so this transport must not be used again, and peers must know.
-            self.abort(self._st.aborted or "interrupted")
+            self.abort(self._shared.aborted or "interrupted")
             raise
 
     def _exchange(self, outs, ins, deadline, what, sends) -> None:
@@ -219,7 +220,7 @@ class TcpTransport(FailureHandling, Transport):
                 if not st.frames:
                     del recvs[peer]
                     return True
-                nxt = next_frame(conn, self._g(self.rank), self._g(peer), what)
+                nxt = next_frame(conn, self._rank_of(self.rank), self._rank_of(peer), what)
                 if nxt is not None:
                     got = nxt.header
                     if got.kind != DATA:
@@ -227,7 +228,7 @@ class TcpTransport(FailureHandling, Transport):
                             continue  # more bytes of the control frame arrived
                         return progressed
                     f = st.frames.popleft()
-                    check_header(f.expect, got, self._g(self.rank), self._g(peer))
+                    check_header(f.expect, got, self._rank_of(self.rank), self._rank_of(peer))
                     conn.rpos = nxt.start
                     st.cur, st.off = f, 0
                     progressed = True
@@ -265,12 +266,12 @@ class TcpTransport(FailureHandling, Transport):
 
         Returns whether more of it arrived (False: wait for the socket)."""
         if nxt.header.kind not in (ABORT, BYE):
-            raise ProtocolError(f"{what}: rank {self._g(self.rank)} got a frame of unknown kind "
-                                f"{nxt.header.kind} from rank {self._g(peer)}", rank=self._g(self.rank),
-                                peer=self._g(peer))
+            raise ProtocolError(f"{what}: rank {self._rank_of(self.rank)} got a frame of unknown kind "
+                                f"{nxt.header.kind} from rank {self._rank_of(peer)}", rank=self._rank_of(self.rank),
+                                peer=self._rank_of(peer))
         reason = control_reason(conn.rbuf, nxt, conn.rend, conn.eof)
         if reason is not None:
-            raise control_error(nxt.header, reason, self._g(self.rank), self._g(peer), what)
+            raise control_error(nxt.header, reason, self._rank_of(self.rank), self._rank_of(peer), what)
         try:
             return conn.fill() > 0
         except EOFError:
@@ -282,9 +283,9 @@ class TcpTransport(FailureHandling, Transport):
         if left <= 0:
             raise self._timeout(sends, recvs, what)
         poller = select.poll()
-        poller.register(self._st.wake_r, select.POLLIN)
+        poller.register(self._shared.wake_r, select.POLLIN)
         idle: dict[int, Conn] = {}
-        wake = min(left, 1.0, slow_wait.due(now))
+        wake = min(left, 1.0, waits.due(now))
         for peer, conn in self.conns.items():
             mask = (select.POLLOUT if peer in sends else 0) | (select.POLLIN if peer in recvs else 0)
             if peer not in recvs:

@@ -310,11 +310,12 @@ def test_the_barrier_after_a_sleep_spins_long_enough_to_catch_a_late_waker():
     import sys
 
     from pycoll.transport.shm import arena as shm
+    from pycoll.transport.shm import futex
 
     store = dist.HashStore()
     arenas = [None, None]
     sleeps = []
-    real_wait = shm._futex_wait
+    real_wait = futex.wait
 
     def counting_wait(addr, expected, seconds):
         if threading.current_thread().name == "rank0":
@@ -336,7 +337,7 @@ def test_the_barrier_after_a_sleep_spins_long_enough_to_catch_a_late_waker():
     results = []
     switch = sys.getswitchinterval()
     sys.setswitchinterval(0.0005)    # the two ranks share one GIL here
-    shm._futex_wait = counting_wait
+    futex.wait = counting_wait
     try:
         threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
         for t in threads:
@@ -344,7 +345,7 @@ def test_the_barrier_after_a_sleep_spins_long_enough_to_catch_a_late_waker():
         for t in threads:
             t.join(30)
     finally:
-        shm._futex_wait = real_wait
+        futex.wait = real_wait
         sys.setswitchinterval(switch)
         for a in arenas:
             if a is not None:

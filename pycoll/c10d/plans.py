@@ -173,17 +173,23 @@ def allgather_coalesced(rank: int, world: int, output_lists, input_list, opts=No
                 lambda: unflatten_into(buf, flat_outs))
 
 
+def _root_list(rank: int, root: int, lists, world: int, op: str, role: str, check) -> list:
+    """The root's list of ``world`` tensors, checked; non-root ranks must pass none."""
+    if rank != root:
+        if lists and any(lists):
+            raise ValueError(f"{op}: non-root ranks must not pass {role} tensors")
+        return []
+    if len(lists) != 1 or len(lists[0]) != world:
+        raise ValueError(f"{op}: the root's {role} list must hold {world} tensors")
+    return check(lists[0], f"{op} {role}")
+
+
 def gather(rank: int, world: int, output_tensors, input_tensors, opts) -> Plan:
     inp = _one(input_tensors, "gather input")
     root = check_root(opts.rootRank, world, "gather")
-    outs = []
-    if rank == root:
-        if len(output_tensors) != 1 or len(output_tensors[0]) != world:
-            raise ValueError(f"gather: the root's output list must hold {world} tensors")
-        outs = check_outputs(output_tensors[0], "gather output")
+    outs = _root_list(rank, root, output_tensors, world, "gather", "output", check_outputs)
+    if outs:
         check_parts(outs, inp, "gather")
-    elif output_tensors and any(output_tensors):
-        raise ValueError("gather: non-root ranks must not pass output tensors")
     device = device_of([inp, *outs], "gather")
     buf = torch.empty(inp.numel() * world, dtype=inp.dtype, device=device) if outs else None
     return Plan("gather", outs, device, (buf, flat_in(inp), root),
@@ -193,14 +199,9 @@ def gather(rank: int, world: int, output_tensors, input_tensors, opts) -> Plan:
 def scatter(rank: int, world: int, output_tensors, input_tensors, opts) -> Plan:
     out = _one(output_tensors, "scatter output")
     root = check_root(opts.rootRank, world, "scatter")
-    ins = []
-    if rank == root:
-        if len(input_tensors) != 1 or len(input_tensors[0]) != world:
-            raise ValueError(f"scatter: the root's input list must hold {world} tensors")
-        ins = check_tensors(input_tensors[0], "scatter input")
+    ins = _root_list(rank, root, input_tensors, world, "scatter", "input", check_tensors)
+    if ins:
         check_parts(ins, out, "scatter")
-    elif input_tensors and any(input_tensors):
-        raise ValueError("scatter: non-root ranks must not pass input tensors")
     device = device_of([out, *ins], "scatter")
     o, back = flat_out(out, "scatter output")
     return Plan("scatter", [out], device, lambda: (o, cat(ins, out.dtype, device) if ins else None, root), back)

@@ -39,6 +39,7 @@ import torch
 from pycoll import rendezvous
 from pycoll.errors import CommTimeoutError, MismatchError, PeerClosedError
 from pycoll.transport import waits
+from pycoll.transport.shm import futex
 
 LINE = 512                  # bytes of control per rank
 SLEEP = 3                   # int32 word of a rank's line: set while it may block in FUTEX_WAIT
@@ -47,31 +48,7 @@ REASON_AT = 192             # a rank's abort reason (text, 319 bytes) fills the 
 DEFAULT_SLOT_BYTES = 4 << 20
 WAIT_SLICE = 0.05
 
-_SYS_FUTEX = 202            # x86-64
-_FUTEX_WAIT, _FUTEX_WAKE = 0, 1
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
 log = logging.getLogger("pycoll")
-
-
-class _Timespec(ctypes.Structure):
-    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
-
-
-def _futex_wait(addr: int, expected: int, seconds: float) -> None:
-    ts = _Timespec(int(seconds), int((seconds % 1) * 1e9))
-    _libc.syscall(_SYS_FUTEX, ctypes.c_void_p(addr), _FUTEX_WAIT, ctypes.c_int(expected),
-                  ctypes.byref(ts), None, 0)
-
-
-_ALL = ctypes.c_int(0x7FFFFFFF)
-
-
-def _futex_wake(addr: ctypes.c_void_p) -> None:
-    """Wake every waiter on the word at ``addr``, a premade c_void_p: a rank wakes its own
-    epoch word on every sync, and making the ctypes argument there cost a third of the call."""
-    _libc.syscall(_SYS_FUTEX, addr, _FUTEX_WAKE, _ALL, None, None, 0)
-
 
 SPIN_SECONDS = 0.002
 # The barrier after one that slept spins longer: the peer that woke this rank is now the
@@ -116,15 +93,6 @@ def _tell_oversubscribed(ranks: int, threads: int, cores: int) -> None:
 @functools.lru_cache(maxsize=None)
 def _pack_words(n: int):
     return struct.Struct(f"{n}q").pack_into
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            state = f.read().rsplit(b")", 1)[1].split()[0]
-        return state not in (b"Z", b"X")
-    except (OSError, IndexError):
-        return False
 
 
 class ShmArena:
@@ -271,7 +239,7 @@ class ShmArena:
         # A futex wake is a system call (0.8 us); make it only when a peer may be asleep.
         for w in self._peer_sleep_words:
             if ctrl[w]:
-                _futex_wake(self._my_epoch)
+                futex.wake(self._my_epoch)
                 break
         slept = False
         for r, word in self._peer_epoch_words:
@@ -300,10 +268,10 @@ class ShmArena:
                                            rank=self.ranks[self.me], peer=self.ranks[r])
                 if not slept:
                     ctrl[me_word + SLEEP] = slept = 1
-                _futex_wait(self._base + word * 4, v, min(left, WAIT_SLICE, waits.due(now)))
+                futex.wait(self._base + word * 4, v, min(left, WAIT_SLICE, waits.due(now)))
                 if ctrl[word] == v:
                     pid = self.pids[r] or ctrl[word + 2]
-                    if pid and not _alive(pid):
+                    if pid and not futex.alive(pid):
                         raise PeerClosedError(f"{what}: rank {self.ranks[r]} (pid {pid}) died",
                                               rank=self.ranks[self.me], peer=self.ranks[r])
         if slept:
@@ -336,7 +304,7 @@ class ShmArena:
         # A separate abort word, so that a peer still reading this rank's epoch for a
         # barrier it legitimately passed is not misled; the wake makes waiters re-check.
         self._ctrl[self._me_word + 1] = 1
-        _futex_wake(self._my_epoch)
+        futex.wake(self._my_epoch)
 
     def close(self) -> None:
         if self.closed:
@@ -380,7 +348,7 @@ def _map_segment(store, key: str, local_rank: int, size: int, total: int, timeou
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
-        why = "rank 0 died" if not _alive(creator) else "rank 0 runs as another user"
+        why = "rank 0 died" if not futex.alive(creator) else "rank 0 runs as another user"
         raise PeerClosedError(f"shm init: cannot open local rank 0's segment {path}: {exc.strerror} "
                               f"({why})") from None
     try:

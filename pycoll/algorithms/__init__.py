@@ -1,5 +1,8 @@
 """Every algorithm, by collective and name: ``ALGORITHMS[collective][name]`` is a pure
-schedule function (see ``schedule.py``); ``get`` looks one up with a helpful error.
+schedule function (see ``schedule.py``), ``COSTS[collective][name]`` its
+``cost(world, nbytes, params) -> seconds`` (see ``cost.py``; the tuner takes the cheapest);
+``get`` looks a schedule up with a helpful error. Within a collective the order is the
+tuner's tie-break: of algorithms that cost the same, the first listed wins.
 
 Signatures by collective (counts in elements):
   all_reduce, all_gather(rank, world, count)
@@ -11,7 +14,8 @@ Signatures by collective (counts in elements):
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from types import ModuleType
 
 from pycoll.algorithms import (
     binomial_broadcast,
@@ -31,36 +35,42 @@ from pycoll.algorithms import (
     scatter_allgather_broadcast,
     tree_allreduce,
 )
+from pycoll.algorithms.cost import CostFn
 from pycoll.algorithms.schedule import Schedule
 
 ScheduleFn = Callable[..., Schedule]
 
-ALGORITHMS: dict[str, dict[str, ScheduleFn]] = {
+MODULES: dict[str, dict[str, ModuleType]] = {
     "all_reduce": {
-        "ring": ring_allreduce.schedule,
-        "recursive_doubling": recursive_doubling_allreduce.schedule,
-        "halving_doubling": halving_doubling_allreduce.schedule,
-        "tree": tree_allreduce.schedule,
+        "ring": ring_allreduce,
+        "recursive_doubling": recursive_doubling_allreduce,
+        "halving_doubling": halving_doubling_allreduce,
+        "tree": tree_allreduce,
     },
     "broadcast": {
-        "binomial": binomial_broadcast.schedule,
-        "scatter_allgather": scatter_allgather_broadcast.schedule,
+        "binomial": binomial_broadcast,
+        "scatter_allgather": scatter_allgather_broadcast,
     },
-    "reduce": {"binomial": binomial_reduce.schedule},
+    "reduce": {"binomial": binomial_reduce},
     "all_gather": {
-        "ring": ring_allgather.schedule,
-        "bruck": bruck_allgather.schedule,
-        "recursive_doubling": recursive_doubling_allgather.schedule,  # power-of-two worlds only
+        "ring": ring_allgather,
+        "bruck": bruck_allgather,
+        "recursive_doubling": recursive_doubling_allgather,  # Bruck's schedule off powers of two
     },
     "reduce_scatter": {
-        "ring": ring_reduce_scatter.schedule,
-        "pairwise": pairwise_reduce_scatter.schedule,
+        "ring": ring_reduce_scatter,
+        "pairwise": pairwise_reduce_scatter,
     },
-    "all_to_all": {"pairwise": pairwise_alltoall.schedule},
-    "gather": {"linear": linear_gather.schedule},
-    "scatter": {"linear": linear_scatter.schedule},
-    "barrier": {"dissemination": dissemination_barrier.schedule},
+    "all_to_all": {"pairwise": pairwise_alltoall},
+    "gather": {"linear": linear_gather},
+    "scatter": {"linear": linear_scatter},
+    "barrier": {"dissemination": dissemination_barrier},
 }
+
+ALGORITHMS: dict[str, dict[str, ScheduleFn]] = {
+    c: {name: m.schedule for name, m in algos.items()} for c, algos in MODULES.items()}
+COSTS: dict[str, dict[str, CostFn]] = {
+    c: {name: m.cost for name, m in algos.items()} for c, algos in MODULES.items()}
 
 
 def get(collective: str, name: str) -> ScheduleFn:

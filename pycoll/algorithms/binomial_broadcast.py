@@ -6,12 +6,13 @@ two m below lowbit(v) (all powers below P for the root), farthest child first so
 largest subtree starts earliest. Round k doubles the number of ranks holding the data.
 
 Steps: ceil(log2 P) rounds. Bytes sent per rank: n per child, up to n*ceil(log2 P) at the
-root; the world moves n*(P-1). Cost: ceil(log2 P)*(alpha + n*beta). The tuner picks it for
-small and medium messages; for large ones scatter_allgather's ~2n*beta wins.
+root; the world moves n*(P-1). Cost: ceil(log2 P)*(alpha + n*beta). The cheapest for
+small and medium messages, always at P = 2; for large ones scatter_allgather's ~2n*beta wins.
 """
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import Terms, clog2, cost_of, no_copies
 from pycoll.algorithms.schedule import (
     Recv,
     Schedule,
@@ -30,3 +31,13 @@ def schedule(rank: int, world: int, count: int, root: int) -> Schedule:
     for child in reversed(binomial_children(v, world)):
         s.add(Send((child + root) % world, "out", 0, count))
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """ceil(log2 P)(alpha + n beta)."""
+    c = clog2(world)
+    return Terms(c, c * n, 0)
+
+
+copied = no_copies  # nothing is copied locally
+cost = cost_of(terms, copied)

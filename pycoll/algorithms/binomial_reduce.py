@@ -13,6 +13,7 @@ medium messages; for large ones reduce-scatter + gather moves less per link.
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import Terms, clog2, cost_of
 from pycoll.algorithms.schedule import (
     Copy,
     RecvReduce,
@@ -37,3 +38,17 @@ def schedule(rank: int, world: int, count: int, root: int) -> Schedule:
     if parent is not None:
         s.add(Send((parent + root) % world, acc, 0, count))
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """ceil(log2 P)(alpha + n beta + n gamma)."""
+    c = clog2(world)
+    return Terms(c, c * n, c * n)
+
+
+def copied(world: int, n: float) -> float:
+    """Inner non-root ranks (there are some from P = 4) copy "in" to their temp: n."""
+    return n if world >= 4 else 0.0
+
+
+cost = cost_of(terms, copied)

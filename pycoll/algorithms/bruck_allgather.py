@@ -9,11 +9,12 @@ temp goes to block (r+i) % P).
 
 Steps: ceil(log2 P) (+2 local). Bytes sent per rank: n*(P-1) with n = count. Cost:
 ceil(log2 P)*alpha + n*(P-1)*beta, plus the local rotation. Latency-optimal for any P; the
-tuner picks it for small messages, ring for large ones.
+rotation copies the whole output, so for large messages ring is cheaper.
 """
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import Terms, clog2, cost_of
 from pycoll.algorithms.schedule import Copy, Recv, Schedule, Send
 
 
@@ -34,3 +35,16 @@ def schedule(rank: int, world: int, count: int) -> Schedule:
     s.add(Copy("tmp", 0, "out", rank * count, head * count),
           Copy("tmp", head * count, "out", 0, rank * count))
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """ceil(log2 P) alpha + n(P-1) beta, n = one rank's block (the rotation is in copied)."""
+    return Terms(clog2(world), n * (world - 1), 0)
+
+
+def copied(world: int, n: float) -> float:
+    """"in" into the temp (n), then the rotation of the whole temp into "out" (nP)."""
+    return n if world == 1 else n * (world + 1)
+
+
+cost = cost_of(terms, copied, block=True)

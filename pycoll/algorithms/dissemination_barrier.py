@@ -10,6 +10,7 @@ Steps: ceil(log2 P). Bytes sent per rank: 0 (headers only). Cost: ceil(log2 P)*a
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import Terms, clog2, cost_of, no_copies
 from pycoll.algorithms.schedule import Recv, Schedule, Send
 
 
@@ -20,3 +21,12 @@ def schedule(rank: int, world: int) -> Schedule:
         s.add(Send((rank + d) % world, "out", 0, 0), Recv((rank - d) % world, "out", 0, 0))
         d <<= 1
     return s
+
+
+def terms(world: int, n: float = 0) -> Terms:
+    """ceil(log2 P) alpha (headers only)."""
+    return Terms(clog2(world), 0, 0)
+
+
+copied = no_copies  # nothing is copied locally
+cost = cost_of(terms, copied)

@@ -16,12 +16,14 @@ Any other P uses the MPICH fold (``schedule.fold_rank``): even ranks r < 2*rem f
 their whole buffer to r+1 and at the end receive the result from it.
 
 Steps: 2*log2(p) (+2 with the fold). Bytes sent per active rank: 2*n*(p-1)/p (+n for the
-fold). Cost: 2*log2(p)*alpha + 2*n*(p-1)/p*beta + n*(p-1)/p*gamma. The tuner picks it for
-medium-to-large messages, where it beats ring on latency (log p rounds instead of P-1).
+fold). Cost: 2*log2(p)*alpha + 2*n*(p-1)/p*beta + n*(p-1)/p*gamma. Same bytes as
+ring in fewer rounds (log p instead of P-1) on powers of two, where the tuner takes it over
+ring for large messages; off powers of two the fold's extra n makes ring cheaper.
 """
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import Terms, cost_of, fold, no_copies
 from pycoll.algorithms.schedule import (
     Recv,
     RecvReduce,
@@ -63,3 +65,13 @@ def schedule(rank: int, world: int, count: int) -> Schedule:
             mask <<= 1
     fold_out(s, rank, world, count, new)
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """2 log2 p alpha + 2n(p-1)/p beta + n(p-1)/p gamma (+ 2(alpha + n beta) + n gamma fold)."""
+    p, f, k = fold(world)
+    return Terms(2 * k + 2 * f, 2 * n * (p - 1) / p + 2 * f * n, n * (p - 1) / p + f * n)
+
+
+copied = no_copies  # nothing is copied locally
+cost = cost_of(terms, copied)

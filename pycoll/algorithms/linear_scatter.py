@@ -5,11 +5,12 @@ The root sends block i to rank i for every i != root in one step (run concurrent
 transport) and copies its own block locally; every other rank receives once.
 
 Steps: 1. Bytes sent by the root: n*(P-1) with n = count; others send nothing. Cost:
-alpha + n*(P-1)*beta at the root's link. The tuner uses it everywhere on small worlds.
+alpha + n*(P-1)*beta at the root's link. The one scatter algorithm.
 """
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import Terms, cost_of
 from pycoll.algorithms.schedule import Copy, Recv, Schedule, Send
 
 
@@ -21,3 +22,16 @@ def schedule(rank: int, world: int, count: int, root: int) -> Schedule:
     s.add(Copy("in", root * count, "out", 0, count))
     s.add(*(Send(i, "in", i * count, count) for i in range(world) if i != root))
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """alpha + n(P-1) beta at the root, whose link carries every block; n = one rank's block."""
+    return Terms(int(world > 1), n * (world - 1), 0)
+
+
+def copied(world: int, n: float) -> float:
+    """The root's own block: n."""
+    return n
+
+
+cost = cost_of(terms, copied, block=True)

@@ -11,6 +11,7 @@ Steps: P-1 (+1 local copy). Bytes sent per rank: sum(send_counts) - send_counts[
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import Terms, cost_of
 from pycoll.algorithms.schedule import Copy, Recv, Schedule, Send, displacements
 
 
@@ -26,3 +27,17 @@ def schedule(rank: int, world: int, send_counts: list[int], recv_counts: list[in
         s.add(Send(dst, "in", sd[dst], send_counts[dst]),
               Recv(src, "out", rd[src], recv_counts[src]))
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """(P-1) alpha + n(P-1)/P beta, n = one rank's whole input (even blocks)."""
+    P = world
+    return Terms(P - 1, n * (P - 1) / P, 0)
+
+
+def copied(world: int, n: float) -> float:
+    """Its own block from "in" to "out": n/P."""
+    return n / world
+
+
+cost = cost_of(terms, copied)

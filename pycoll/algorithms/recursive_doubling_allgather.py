@@ -13,6 +13,7 @@ log2(P)*alpha + n*(P-1)*beta. Same cost as Bruck without its temp and rotation.
 from __future__ import annotations
 
 from pycoll.algorithms import bruck_allgather
+from pycoll.algorithms.cost import Terms, clog2, cost_of
 from pycoll.algorithms.schedule import Copy, Recv, Schedule, Send
 
 
@@ -29,3 +30,16 @@ def schedule(rank: int, world: int, count: int) -> Schedule:
               Recv(peer, "out", theirs * count, mask * count))
         mask <<= 1
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """log2 P alpha + n(P-1) beta, n = one rank's block (Bruck's off powers of two)."""
+    return Terms(clog2(world), n * (world - 1), 0)
+
+
+def copied(world: int, n: float) -> float:
+    """Its own block into "out" (n); Bruck's copies off powers of two."""
+    return bruck_allgather.copied(world, n) if world & (world - 1) else n
+
+
+cost = cost_of(terms, copied, block=True)

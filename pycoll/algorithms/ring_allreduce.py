@@ -12,6 +12,7 @@ one segment, not one chunk.
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import ZERO, Terms, cost_of, no_copies
 from pycoll.algorithms.schedule import Recv, RecvReduce, Schedule, Send, chunks
 
 
@@ -28,3 +29,13 @@ def schedule(rank: int, world: int, count: int) -> Schedule:
         send_c, recv_c = c[(rank + 1 - step) % world], c[(rank - step) % world]
         s.add(Send(nxt, "out", *send_c), Recv(prv, "out", *recv_c))
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """2(P-1) alpha + 2n(P-1)/P beta + n(P-1)/P gamma."""
+    P = world
+    return ZERO if P < 2 else Terms(2 * (P - 1), 2 * n * (P - 1) / P, n * (P - 1) / P)
+
+
+copied = no_copies  # nothing is copied locally
+cost = cost_of(terms, copied)

@@ -9,12 +9,13 @@ sums alternate between two temps of max(counts) elements ("in" is never written)
 block is reduced along one chain of ranks, so its result is computed in one fixed order.
 
 Steps: P-1 (+P-1 local copies). Bytes sent per rank: sum of P-1 blocks, n*(P-1)/P for even
-blocks of a total n. Cost: (P-1)*alpha + n*(P-1)/P*(beta + gamma). Bandwidth-optimal; the
-tuner picks it for large messages.
+blocks of a total n. Cost: (P-1)*alpha + n*(P-1)/P*(beta + gamma). Bandwidth-optimal, as
+pairwise, which copies less; at P = 2 they cost the same and ring, listed first, is taken.
 """
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import Terms, cost_of
 from pycoll.algorithms.schedule import Copy, RecvReduce, Schedule, Send, displacements
 
 
@@ -37,3 +38,17 @@ def schedule(rank: int, world: int, counts: list[int]) -> Schedule:
               RecvReduce(prv, dst, 0, counts[recv_b]))
         src = dst
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """(P-1) alpha + n(P-1)/P (beta + gamma), n = the whole input."""
+    P = world
+    return Terms(P - 1, n * (P - 1) / P, n * (P - 1) / P)
+
+
+def copied(world: int, n: float) -> float:
+    """One block of "in" into each step's destination: n(P-1)/P (n at P = 1)."""
+    return n if world == 1 else n * (world - 1) / world
+
+
+cost = cost_of(terms, copied)

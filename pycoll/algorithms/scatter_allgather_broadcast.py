@@ -9,12 +9,13 @@ Blocks are contiguous in relative-rank order, so every transfer is one contiguou
 
 Steps: ceil(log2 P) + P - 1. Bytes sent per rank: about n*(P-1)/P in the all-gather plus
 its share of the scatter (n*(P-1)/P at the root); about 2n in total at the root instead of
-n*log2 P. Cost: (log2 P + P - 1)*alpha + 2*n*(P-1)/P*beta. The tuner picks it for large
-messages (hundreds of KiB and up) and P >= 3; binomial below that.
+n*log2 P. Cost: (log2 P + P - 1)*alpha + 2*n*(P-1)/P*beta. Cheaper than binomial
+for large messages at P >= 3 (the crossover grows with alpha/beta).
 """
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import ZERO, Terms, clog2, cost_of, no_copies
 from pycoll.algorithms.schedule import (
     Recv,
     Schedule,
@@ -48,3 +49,13 @@ def schedule(rank: int, world: int, count: int, root: int) -> Schedule:
         s.add(Send(real(v + 1), "out", *c[(v - step) % world]),
               Recv(real(v - 1), "out", *c[(v - step - 1) % world]))
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """(ceil(log2 P) + P-1) alpha + 2n(P-1)/P beta."""
+    P = world
+    return ZERO if P < 2 else Terms(clog2(P) + P - 1, 2 * n * (P - 1) / P, 0)
+
+
+copied = no_copies  # nothing is copied locally
+cost = cost_of(terms, copied)

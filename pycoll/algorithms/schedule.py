@@ -18,7 +18,6 @@ step never writes a range that it also sends (checked by ``validate``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +68,8 @@ class Reduce:
     count: int
 
 
-Action = Union[Send, Recv, RecvReduce, Copy, Reduce]
+Action = Send | Recv | RecvReduce | Copy | Reduce
 COMM = (Send, Recv, RecvReduce)
-LOCAL = (Copy, Reduce)
 
 
 @dataclass
@@ -88,6 +86,7 @@ class Schedule:
             self.steps.append(tuple(actions))
 
     def bytes_sent(self, itemsize: int) -> int:
+        """Payload bytes this rank sends (tests/test_model_check.py checks the beta terms on it)."""
         return sum(a.count * itemsize for step in self.steps for a in step if isinstance(a, Send))
 
 
@@ -150,7 +149,7 @@ def fold_rank(rank: int, world: int) -> int | None:
     return rank - rem
 
 
-def fold_in(s: "Schedule", rank: int, world: int, count: int) -> int | None:
+def fold_in(s: Schedule, rank: int, world: int, count: int) -> int | None:
     """The fold's first step on buffer "out"; returns this rank's new number (None: sits out)."""
     new = fold_rank(rank, world)
     if rank < 2 * (world - pow2_floor(world)):
@@ -158,7 +157,7 @@ def fold_in(s: "Schedule", rank: int, world: int, count: int) -> int | None:
     return new
 
 
-def fold_out(s: "Schedule", rank: int, world: int, count: int, new: int | None) -> None:
+def fold_out(s: Schedule, rank: int, world: int, count: int, new: int | None) -> None:
     """The fold's last step: the ranks that sat out get the result from their partner."""
     if rank < 2 * (world - pow2_floor(world)):
         s.add(Recv(rank + 1, "out", 0, count) if new is None else Send(rank - 1, "out", 0, count))

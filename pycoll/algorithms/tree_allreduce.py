@@ -14,6 +14,7 @@ where recursive doubling's temp is unwelcome.
 
 from __future__ import annotations
 
+from pycoll.algorithms.cost import Terms, clog2, cost_of, no_copies
 from pycoll.algorithms.schedule import (
     Recv,
     RecvReduce,
@@ -35,3 +36,13 @@ def schedule(rank: int, world: int, count: int) -> Schedule:
     for child in reversed(kids):
         s.add(Send(child, "out", 0, count))
     return s
+
+
+def terms(world: int, n: float) -> Terms:
+    """2 ceil(log2 P)(alpha + n beta) + ceil(log2 P) n gamma (an upper bound off powers of two)."""
+    c = clog2(world)
+    return Terms(2 * c, 2 * c * n, c * n)
+
+
+copied = no_copies  # nothing is copied locally
+cost = cost_of(terms, copied)

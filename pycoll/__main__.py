@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "demo": ("pycoll.cli.demo", "start local ranks, run every collective, train with DDP"),
+    "demo": ("pycoll.cli.demo", "pycoll vs gloo: every collective checked and timed, then DDP trains a model on each"),
     "bench": ("pycoll.cli.bench", "pycoll vs gloo (vs MPI) benchmark, nccl-tests style"),
     "draw": ("pycoll.cli.draw", "draw an algorithm's schedule step by step (picture or --text)"),
     "trace": ("pycoll.cli.trace_view", "merge PYCOLL_TRACE=DIR rank files into a Chrome trace (+ --png timeline)"),

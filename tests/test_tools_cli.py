@@ -106,12 +106,48 @@ def test_bench_subcommand_runs_from_any_folder(tmp_path):
     assert [r["size"] for r in rows] == [8, 64]
 
 
+def _demo_results(world=2, test_acc=0.86, ok=True, diff=0.0):
+    """What the demo's ranks send to the parent, made up: for the report's checks alone."""
+    row = {"name": "all_reduce", "bytes": 16, "ok": {"pycoll": ok, "gloo": True}, "same": ok,
+           "us": {"pycoll": [10.0, 12.0, 11.0], "gloo": [30.0, 20.0, 40.0]}}
+    run = {"blocks": [(20, 0.02), (20, 0.04)], "curve": [(0, 0.25), (20, 0.5), (40, test_acc)],
+           "train_acc": 0.9, "test_acc": test_acc, "loss": (1.4, 0.2), "identical_on_ranks": True}
+    ddp = {"pycoll": run, "gloo": run, "max_param_diff": diff, "same_predictions": 1.0}
+    return {r: ([row], ddp) for r in range(world)}
+
+
+def test_demo_report_fails_on_a_wrong_collective_a_model_that_did_not_learn_or_models_apart():
+    from pycoll.cli import demo, demo_task
+
+    assert demo.report_collectives(_demo_results(), rounds=3) == 0
+    assert demo.report_collectives(_demo_results(ok=False), rounds=3) == 1
+    assert demo.report_training(_demo_results(), steps=demo_task.MIN_STEPS) == []
+    low = demo.report_training(_demo_results(test_acc=0.5), steps=demo_task.MIN_STEPS)
+    assert low and "did not learn" in low[0]
+    assert demo.report_training(_demo_results(test_acc=0.5), steps=2) == []  # too short to judge
+    apart = demo.report_training(_demo_results(diff=1.0), steps=demo_task.MIN_STEPS)
+    assert apart == ["the pycoll and gloo models differ"]
+
+
 @pytest.mark.timeout(120)
-def test_demo_runs_every_collective_and_ddp():
-    """The README's first command runs ``python -m pycoll demo``: every row must say yes."""
+def test_demo_checks_every_collective_on_pycoll_and_gloo_and_the_model_learns():
+    """The README's first command runs ``python -m pycoll demo``: every check must pass."""
+    from pycoll.cli.demo_task import THRESHOLD
+
     out = _pycoll("demo", timeout=110)
-    rows = [ln.split() for ln in out.splitlines() if ln.rstrip().endswith(tuple("0123456789"))
-            and (" yes " in ln or " no " in ln)]
+    lines = out.splitlines()
+    head = next(i for i, ln in enumerate(lines) if ln.startswith("collective "))
+    assert "pycoll us" in lines[head] and "gloo us" in lines[head], out
+    rows = [ln.split() for ln in lines[head + 1:] if ln and not ln.startswith("(")]
+    rows = rows[:next(i for i, r in enumerate(rows) if r[0] == "torch")]
     assert len(rows) >= 10, out
-    assert not [r for r in rows if "no" in r], out
+    for r in rows:   # ... pycoll us, gloo us, speed-up, correct, same as gloo
+        assert r[-2:] == ["yes", "yes"] and float(r[-5]) > 0 and float(r[-4]) > 0, (r, out)
+    trained = {ln.split()[0]: ln.split() for ln in lines
+               if ln.startswith(("pycoll ", "gloo ")) and " -> " in ln and ln.endswith("%")}
+    assert set(trained) == {"pycoll", "gloo"}, out
+    for backend, r in trained.items():  # backend, steps/s, loss -> loss, train acc, test acc
+        assert float(r[1]) > 0 and float(r[-1].rstrip("%")) / 100 >= THRESHOLD, (backend, out)
+    assert "pycoll and gloo final models: identical" in out or "models: agree" in out, out
     assert "parameters identical on all ranks: yes" in out, out
+    assert "\nchecks: all passed" in out, out

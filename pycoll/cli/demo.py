@@ -1,9 +1,14 @@
-"""``python -m pycoll demo``: N local ranks on pycoll run every collective once, then train.
+"""``python -m pycoll demo``: local ranks run every collective and train a model, pycoll vs gloo.
 
-The main job of the README: it shows a newcomer, in under a minute, that the backend
-works on this machine. Each rank checks every result against the value it must have and
-rank 0 prints a table; then torch's DistributedDataParallel trains a small model for a
-few steps and the ranks confirm their parameters are identical.
+The main job of the README: it shows a newcomer, in under half a minute, that the backend
+works on this machine and what it is worth. The ranks open a pycoll default group and a gloo
+group; every collective runs on both, each rank checks every result against the value it
+must have and against gloo's, and the two are timed in interleaved rounds
+(``demo_checks``). Then torch's DistributedDataParallel trains the same small MLP on a
+generated task on each backend, blocks of steps alternating (``demo_task``): steps/s, final
+accuracy, and whether the two final models agree. The exit status is non-zero if any check
+fails: a wrong or differing collective result, parameters that differ between ranks, final
+models that disagree, or a test accuracy under ``demo_task.THRESHOLD``.
 """
 
 from __future__ import annotations
@@ -12,187 +17,177 @@ import argparse
 import multiprocessing as mp
 import os
 import queue as queue_mod
+import statistics
 import sys
 import time
 from datetime import timedelta
 
-CHECKS = []
+BACKENDS = ("pycoll", "gloo")
 
 
-def check(name):
-    def deco(fn):
-        CHECKS.append((name, fn))
-        return fn
-    return deco
-
-
-@check("all_reduce sum (float32, 1M elements)")
-def _all_reduce(dist, torch, rank, world):
-    t = torch.full((1 << 20,), float(rank + 1))
-    dist.all_reduce(t)
-    return bool((t == world * (world + 1) / 2).all())
-
-
-@check("all_reduce max (int64)")
-def _all_reduce_max(dist, torch, rank, world):
-    t = torch.tensor([rank, -rank], dtype=torch.int64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist() == [world - 1, 0]
-
-
-@check("broadcast from the last rank")
-def _broadcast(dist, torch, rank, world):
-    t = torch.arange(1000, dtype=torch.float64) * rank
-    dist.broadcast(t, src=world - 1)
-    return bool((t == torch.arange(1000, dtype=torch.float64) * (world - 1)).all())
-
-
-@check("reduce to rank 0")
-def _reduce(dist, torch, rank, world):
-    t = torch.ones(100) * rank
-    dist.reduce(t, dst=0)
-    return rank != 0 or bool((t == sum(range(world))).all())
-
-
-@check("all_gather_single")
-def _all_gather(dist, torch, rank, world):
-    from pycoll.torch_compat import all_gather_single
-    out = torch.empty(world * 3, dtype=torch.int32)
-    all_gather_single(out, torch.full((3,), rank, dtype=torch.int32))
-    return out.tolist() == [r for r in range(world) for _ in range(3)]
-
-
-@check("reduce_scatter_single")
-def _reduce_scatter(dist, torch, rank, world):
-    from pycoll.torch_compat import reduce_scatter_single
-    out = torch.empty(4)
-    reduce_scatter_single(out, torch.arange(4 * world, dtype=torch.float32))
-    return out.tolist() == [float(world * (4 * rank + i)) for i in range(4)]
-
-
-@check("all_to_all_single (uneven splits)")
-def _all_to_all(dist, torch, rank, world):
-    send = [r + 1 for r in range(world)]           # rank r sends r'+1 elements to r'
-    inp = torch.cat([torch.full((n,), float(rank * 100 + dst)) for dst, n in enumerate(send)])
-    out = torch.empty((rank + 1) * world)
-    dist.all_to_all_single(out, inp, [rank + 1] * world, send)
-    expect = [src * 100 + rank for src in range(world) for _ in range(rank + 1)]
-    return out.tolist() == expect
-
-
-@check("gather and scatter")
-def _gather_scatter(dist, torch, rank, world):
-    got = [torch.empty(2) for _ in range(world)] if rank == 0 else None
-    dist.gather(torch.full((2,), float(rank)), got, dst=0)
-    ok = rank != 0 or [g[0].item() for g in got] == list(map(float, range(world)))
-    out = torch.empty(2)
-    dist.scatter(out, [torch.full((2,), float(r)) for r in range(world)] if rank == 0 else None, src=0)
-    return ok and out.tolist() == [float(rank)] * 2
-
-
-@check("send/recv ring (isend + irecv)")
-def _ring(dist, torch, rank, world):
-    if world == 1:
-        return True
-    out = torch.empty(5)
-    reqs = [dist.isend(torch.full((5,), float(rank)), (rank + 1) % world),
-            dist.irecv(out, (rank - 1) % world)]
-    for r in reqs:
-        r.wait()
-    return out.tolist() == [float((rank - 1) % world)] * 5
-
-
-@check("all_gather_object")
-def _objects(dist, torch, rank, world):
-    objs = [None] * world
-    dist.all_gather_object(objs, {"rank": rank, "pid": os.getpid()})
-    return [o["rank"] for o in objs] == list(range(world))
-
-
-@check("barrier")
-def _barrier(dist, torch, rank, world):
-    dist.barrier()
-    return True
-
-
-def _rank_main(rank: int, world: int, port: int, steps: int, queue) -> None:
+def _rank_main(rank: int, world: int, port: int, steps: int, rounds: int, queue) -> None:
     import torch
     import torch.distributed as dist
 
     import pycoll  # noqa: F401  registers the backend
+    from pycoll.cli.demo_checks import check_all, time_all
+    from pycoll.cli.demo_task import train
 
-    torch.manual_seed(0)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))  # the cores are shared, as torchrun assumes
-    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
-    dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
-                            timeout=timedelta(seconds=60))
-    rows = []
-    for name, fn in CHECKS:
-        t0 = time.perf_counter()
-        ok = fn(dist, torch, rank, world)
-        rows.append((name, ok, (time.perf_counter() - t0) * 1e3))
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(rank)
-    losses = []
-    for _ in range(steps):
-        x, y = torch.randn(64, 32, generator=gen), torch.randint(0, 4, (64,), generator=gen)
-        loss = torch.nn.functional.cross_entropy(ddp(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    everyone = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(everyone, flat)
-    same = all(torch.equal(everyone[0], e) for e in everyone)
+    # the cores are shared, as torchrun assumes
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    timeout = timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("pycoll", rank=rank, world_size=world, store=store, timeout=timeout)
+    groups = {"pycoll": dist.group.WORLD, "gloo": dist.new_group(backend="gloo", timeout=timeout)}
+    rows = check_all(rank, world, groups)
+    time_all(rank, world, groups, rows, rounds)
+    ddp = train(rank, world, groups, steps)
     dist.destroy_process_group()
-    queue.put((rank, rows, losses, same))
+    queue.put((rank, rows, ddp))
+
+
+def _run_ranks(world: int, steps: int, rounds: int) -> dict | None:
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, steps, rounds, queue))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    results: dict = {}
+    deadline = time.monotonic() + 180
+    try:
+        while len(results) < world:
+            if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
+                print("a rank failed or timed out; see its traceback above", file=sys.stderr)
+                return None
+            try:
+                rank, rows, ddp = queue.get(timeout=0.5)
+            except queue_mod.Empty:
+                continue
+            results[rank] = (rows, ddp)
+    finally:
+        for p in procs:
+            p.join(10 if len(results) == world else 0)
+            if p.is_alive():
+                p.kill()
+    return results
+
+
+def _size(n: int) -> str:
+    if n == 0:
+        return "-"
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:g} {unit}"
+    return f"{n} B"
+
+
+def _median_slowest(per_rank: list[list[float]]) -> float:
+    """Median over rounds (or blocks) of the slowest rank's value in each."""
+    return statistics.median(max(vals) for vals in zip(*per_rank))
+
+
+def report_collectives(results: dict, rounds: int) -> int:
+    """Prints the collectives' table from every rank's rows; returns how many failed a check."""
+    print(f"{'collective':29} {'bytes':>8} {'pycoll us':>10} {'gloo us':>10} {'speed-up':>9}"
+          "  correct  same as gloo")
+    failed = 0
+    for i, row in enumerate(results[0][0]):
+        rows = [results[r][0][i] for r in results]
+        bad = [b for b in BACKENDS if not all(x["ok"][b] for x in rows)]
+        same = all(x["same"] for x in rows)
+        us = {b: _median_slowest([x["us"][b] for x in rows]) for b in BACKENDS}
+        failed += bool(bad) or not same
+        print(f"{row['name']:29} {_size(row['bytes']):>8} {us['pycoll']:10.1f} {us['gloo']:10.1f}"
+              f" {us['gloo'] / us['pycoll']:8.2f}x  {'NO: ' + ','.join(bad) if bad else 'yes':7}"
+              f"  {'yes' if same else 'NO'}")
+    print(f"(us per call: median of {rounds} interleaved rounds, slowest rank; "
+          "speed-up = gloo us / pycoll us)")
+    return failed
+
+
+def _curve(points: list, steps: int) -> str:
+    marks = sorted({min(points, key=lambda p: abs(p[0] - steps * k / 4))[0] for k in range(5)})
+    acc = dict(points)
+    return ", ".join(f"step {s} {acc[s]:.1%}" for s in marks)
+
+
+def report_training(results: dict, steps: int) -> list[str]:
+    """Prints the DDP section from every rank's results; returns the failed checks, in words."""
+    from pycoll.cli import demo_task as task
+
+    ddp = results[0][1]
+    print(f"\ntorch DDP on each backend\ntask:  {task.TASK}\nmodel: {task.MODEL}\n"
+          f"train: {steps} steps of {task.BATCH_PER_RANK} x {len(results)} points, the backends "
+          f"alternating in blocks of {task.BLOCK} steps")
+    print(f"{'backend':8} {'steps/s':>8}  {'train loss first -> last':>24}  {'train acc':>9}  "
+          f"{'test acc':>8}")
+    rate = {}
+    for b in BACKENDS:
+        per_rank = [[sec for _, sec in results[r][1][b]["blocks"]] for r in results]
+        n = [k for k, _ in ddp[b]["blocks"]]
+        rate[b] = statistics.median(k / max(secs) for k, secs in zip(n, zip(*per_rank)))
+        first, last = ddp[b]["loss"]
+        print(f"{b:8} {rate[b]:8.1f}  {first:13.3f} -> {last:<7.3f}  {ddp[b]['train_acc']:9.1%}  "
+              f"{ddp[b]['test_acc']:8.1%}")
+    print(f"(steps/s: median over blocks, slowest rank; speed-up pycoll / gloo "
+          f"{rate['pycoll'] / rate['gloo']:.2f}x)")
+    print(f"test accuracy while training (pycoll): {_curve(ddp['pycoll']['curve'], steps)}")
+    failed = []
+    diff = max(results[r][1]["max_param_diff"] for r in results)
+    agree = diff <= task.AGREE_TOL
+    print("pycoll and gloo final models: " + (
+        "identical (bitwise)" if diff == 0 else
+        f"{'agree' if agree else 'DIFFER'}: max |parameter difference| {diff:.1e} (tolerance "
+        f"{task.AGREE_TOL:.0e}), same test predictions {ddp['same_predictions']:.1%}"))
+    if not agree:
+        failed.append("the pycoll and gloo models differ")
+    same = all(results[r][1][b]["identical_on_ranks"] for r in results for b in BACKENDS)
+    print(f"parameters identical on all ranks: {'yes' if same else 'NO'} (both backends)")
+    if not same:
+        failed.append("parameters differ between ranks")
+    worst = min(ddp[b]["test_acc"] for b in BACKENDS)
+    if steps < task.MIN_STEPS:
+        print(f"learning check skipped: --steps {steps} < {task.MIN_STEPS}")
+    elif worst < task.THRESHOLD:
+        failed.append(f"test accuracy {worst:.1%} < {task.THRESHOLD:.0%}: the model did not learn")
+    else:
+        print(f"learned: test accuracy {worst:.1%} >= {task.THRESHOLD:.0%} on both backends "
+              f"(chance {task.CHANCE:.0%}, a linear model {task.LINEAR:.0%})")
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pycoll demo", description=__doc__.splitlines()[0])
     ap.add_argument("--world-size", "-n", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=20, help="DDP training steps")
+    ap.add_argument("--steps", type=int, default=400, help="DDP training steps per backend")
+    ap.add_argument("--rounds", type=int, default=7,
+                    help="interleaved timing rounds of the collectives")
     args = ap.parse_args(argv)
-    import torch.distributed as dist
+    if min(args.world_size, args.steps, args.rounds) < 1:
+        ap.error("--world-size, --steps and --rounds must be at least 1")
+    from pycoll.cli.demo_task import MIN_STEPS
 
     t0 = time.perf_counter()
-    store = dist.TCPStore("127.0.0.1", 0, args.world_size, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, args.world_size, store.port, args.steps, queue))
-             for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    results = {}
-    deadline = time.monotonic() + 120
-    try:
-        while len(results) < args.world_size:
-            if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                print("a rank failed or timed out; see its traceback above", file=sys.stderr)
-                return 1
-            try:
-                rank, rows, losses, same = queue.get(timeout=0.5)
-            except queue_mod.Empty:
-                continue
-            results[rank] = (rows, losses, same)
-    finally:
-        for p in procs:
-            p.join(10 if len(results) == args.world_size else 0)
-            if p.is_alive():
-                p.kill()
-    print(f"pycoll demo: {args.world_size} ranks on this machine, backend 'pycoll'\n")
-    print(f"{'collective':42} {'ok on all ranks':>16} {'time (ms)':>10}")
-    all_ok = True
-    for i, (name, _, ms) in enumerate(results[0][0]):
-        ok = all(results[r][0][i][1] for r in results)
-        all_ok &= ok
-        print(f"{name:42} {'yes' if ok else 'NO':>16} {ms:10.2f}")
-    losses = results[0][1]
-    same = all(results[r][2] for r in results)
-    print(f"\ntorch DDP, {args.steps} steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
-          f"parameters identical on all ranks: {'yes' if same else 'NO'}")
+    load = os.getloadavg()[0]
+    results = _run_ranks(args.world_size, args.steps, args.rounds)
+    if results is None:
+        return 1
+    world = args.world_size
+    print(f"pycoll demo: {world} rank{'s' * (world != 1)} on this machine ({os.cpu_count()} "
+          f"cores, load average {load:.1f} at the start)\n"
+          "every collective on pycoll and on gloo, same inputs, checked and timed\n")
+    failed_rows = report_collectives(results, args.rounds)
+    failed = [f"{failed_rows} collective(s) wrong or unlike gloo"] if failed_rows else []
+    failed += report_training(results, args.steps)
+    n = len(results[0][0])
+    verdict = "FAILED: " + "; ".join(failed) if failed else "all passed"
+    if args.steps < MIN_STEPS:
+        verdict += " (learning not checked)"
+    print(f"\nchecks: {verdict} ({n - failed_rows}/{n} collectives correct on both backends "
+          "and equal to gloo)")
     print(f"total {time.perf_counter() - t0:.1f} s")
-    return 0 if all_ok and same else 1
+    return 1 if failed else 0

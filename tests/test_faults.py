@@ -293,13 +293,8 @@ WORLD = {"shm": 2, "hierarchical": 4, "tcp": 2}
 
 
 def _mode_and_time(rank, world, n, numel):
-    t = torch.empty(numel)
-    t0 = time.time()
-    for _ in range(n):
-        t.fill_(rank + 1)
-        dist.all_reduce(t)
-        assert t.eq(world * (world + 1) / 2).all()
-    return dist.distributed_c10d._get_default_group().communicator.mode, time.time() - t0
+    seconds = _timed(rank, world, n, numel)
+    return dist.distributed_c10d._get_default_group().communicator.mode, seconds
 
 
 @pytest.mark.parametrize("path", list(PATHS))

@@ -10,7 +10,7 @@ view of it. ``GradBucket`` is what a communication hook sees (torch's contract: 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import torch
 
@@ -63,17 +63,23 @@ class Bucket:
     params: list[torch.Tensor]
     buffer: torch.Tensor
     views: list[torch.Tensor] = field(default_factory=list)
+    shared: bool = False   # the buffer lies in memory the group's ranks share (pycoll.empty_shared)
 
     @classmethod
-    def allocate(cls, index: int, param_indices: list[int], params: list[torch.Tensor]) -> "Bucket":
+    def allocate(cls, index: int, param_indices: list[int], params: list[torch.Tensor],
+                 alloc: Callable[[int, torch.dtype], torch.Tensor] | None = None) -> "Bucket":
+        """``alloc(numel, dtype)``: a zeroed buffer in shared memory (None: ordinary memory)."""
         first = params[0]
         numel = sum(p.numel() for p in params)
-        buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
+        if alloc is not None:
+            buffer = alloc(numel, first.dtype)
+        else:
+            buffer = torch.zeros(numel, dtype=first.dtype, device=first.device)
         views, offset = [], 0
         for p in params:
             views.append(buffer[offset:offset + p.numel()].view(p.shape))
             offset += p.numel()
-        return cls(index, param_indices, params, buffer, views)
+        return cls(index, param_indices, params, buffer, views, alloc is not None)
 
     @property
     def nbytes(self) -> int:
@@ -115,7 +121,12 @@ class GradBucket:
 
 
 def shadow_bucket(bucket: Bucket, is_last: bool) -> GradBucket:
-    """A zero-filled stand-in for ``bucket``, for a rank that has joined (uneven inputs)."""
+    """A zero-filled stand-in for ``bucket``, for a rank that has joined (uneven inputs).
+    A shared bucket is zeroed itself: its peers reduce theirs in place, and a collective
+    in place needs every rank's tensor at the same place of the shared memory."""
+    if bucket.shared:
+        bucket.buffer.zero_()
+        return GradBucket(bucket.index, bucket.buffer, bucket.params, bucket.views, is_last)
     zeros = torch.zeros_like(bucket.buffer)
     views, offset = [], 0
     for p in bucket.params:

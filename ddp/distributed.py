@@ -26,13 +26,17 @@ from .timeline import Timeline
 
 class DistributedDataParallel(Module, Joinable):
     """Data-parallel training of ``module``: gradients are averaged across the process group
-    during backward, bucket by bucket, overlapping communication with computation."""
+    during backward, bucket by bucket, overlapping communication with computation.
+
+    ``shared_buckets``: None (the default) allocates the gradient buckets in memory that the
+    group's ranks share when the group is a pycoll group on one host (``pycoll.empty_shared``),
+    so that each bucket's all_reduce runs in place; False keeps ordinary buckets."""
 
     def __init__(self, module: Module, process_group=None, bucket_cap_mb: float = 25,
                  first_bucket_cap_mb: float = 1, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True,
                  static_graph: bool = False, sync: str = "full", max_staleness: int = 4,
-                 activation_delay: float = 0.01) -> None:
+                 activation_delay: float = 0.01, shared_buckets: bool | None = None) -> None:
         super().__init__()
         Joinable.__init__(self)
         if not dist.is_initialized():
@@ -58,7 +62,8 @@ class DistributedDataParallel(Module, Joinable):
                                "parameter that requires a gradient")
         self.reducer = Reducer([p for _, p in trainable], [n for n, _ in trainable],
                                self.process_group, bucket_cap_mb, first_bucket_cap_mb,
-                               find_unused_parameters, gradient_as_bucket_view, static_graph)
+                               find_unused_parameters, gradient_as_bucket_view, static_graph,
+                               shared_buckets)
         buffers = [b for _, b in named_buffers]
         self._buffer_sync = BufferBroadcaster(buffers) if broadcast_buffers and self.world_size > 1 else None
         # sync="solo"|"majority": eager-SGD partial all-reduce (partial_sync.py); None for "full"

@@ -35,9 +35,12 @@ _now = time.perf_counter
 class Reducer:
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], group,
                  bucket_cap_mb: float, first_bucket_cap_mb: float, find_unused: bool,
-                 grad_as_view: bool, static_graph: bool) -> None:
+                 grad_as_view: bool, static_graph: bool, shared_buckets: bool | None = None) -> None:
         self.params, self.names = list(params), list(names)
         self.group = group
+        # Buckets in the memory the group's ranks share, where the group can (pycoll on one
+        # host): its all_reduce then works in place on every rank's bucket, without staging.
+        self._alloc = shared_allocator(group, self.params) if shared_buckets is not False else None
         self.world = dist.get_world_size(group)
         self.cap = max(1, int(bucket_cap_mb * MB))
         self.first_cap = max(1, int(first_bucket_cap_mb * MB))
@@ -72,7 +75,7 @@ class Reducer:
         if getattr(self, "buckets", None) is not None and assignment == self.bucket_indices():
             return  # the observed order gives the same buckets: keep the buffers
         self.buckets = []  # drop the old buffers before allocating the new ones
-        self.buckets = [Bucket.allocate(b, idx, [self.params[i] for i in idx])
+        self.buckets = [Bucket.allocate(b, idx, [self.params[i] for i in idx], self._alloc)
                         for b, idx in enumerate(assignment)]
         self._where: list[tuple[int, int]] = [(0, 0)] * len(self.params)
         for bucket in self.buckets:
@@ -316,7 +319,8 @@ class Reducer:
         works = []
         for b, bucket in enumerate(self.buckets):
             if self.comm_hook is None:
-                zeros = torch.zeros_like(bucket.buffer)
+                # (a shared bucket is reduced in place by its peers: zero and reduce it here too)
+                zeros = bucket.buffer.zero_() if bucket.shared else torch.zeros_like(bucket.buffer)
                 works.append(dist.all_reduce(zeros, group=self.group, async_op=True))
             else:
                 works.append(self.comm_hook(self.comm_state,
@@ -332,6 +336,21 @@ class Reducer:
         self.num_synced_iters += 1
         if self._may_rebuild and not self._rebuilt and self.num_synced_iters == 1:
             self.rebuild_pending = True  # others rebuild now; this rank joins with no order
+
+
+def shared_allocator(group, params: Sequence[torch.Tensor]) -> Callable | None:
+    """``alloc(numel, dtype)`` of zeroed buckets in ``group``'s shared memory, or None where
+    there is none: not a pycoll group, its ranks not all on one host, or not CPU tensors.
+    Every rank decides alike (the group's mode and the model are the same everywhere)."""
+    if any(p.device.type != "cpu" for p in params):
+        return None
+    try:
+        import pycoll
+    except ImportError:
+        return None
+    if not pycoll.can_share_memory(group):
+        return None
+    return lambda numel, dtype: pycoll.empty_shared(numel, dtype=dtype, group=group).zero_()
 
 
 def _remove_hooks(handles) -> None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from pycoll import torch_compat
 from pycoll.c10d.backend import ProcessGroupPycoll, create
+from pycoll.c10d.shared import can_share_memory, empty_shared, is_registered  # registered buffers
 from pycoll.core.work import Work
 from pycoll.cuda.paths import backend_devices
 from pycoll.errors import (
@@ -96,4 +97,5 @@ def failed_ranks(group=None, wait: float = 5.0) -> list[int]:
 _register()
 
 __all__ = ["ProcessGroupPycoll", "PycollError", "CommError", "CommTimeoutError", "PeerClosedError",
-           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "set_algorithm", "shrink", "failed_ranks", "stats", "PartialAllReduce", "BACKEND_NAME"]
+           "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "set_algorithm", "shrink", "failed_ranks", "stats", "PartialAllReduce", "BACKEND_NAME",
+           "empty_shared", "can_share_memory", "is_registered"]

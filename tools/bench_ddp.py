@@ -108,14 +108,16 @@ def _wrap(impl: str, model: nn.Module, group, kw: dict) -> nn.Module:
     if impl == "torch":
         kw = {k: v for k, v in kw.items() if k != "first_bucket_cap_mb"}
         return nn.parallel.DistributedDataParallel(model, process_group=group, **kw)
-    if impl == "ours":
+    if impl in ("ours", "ours-staged"):
         from ddp import DistributedDataParallel
+        if impl == "ours-staged":   # buckets in ordinary memory: the staged shared-memory path
+            kw = {**kw, "shared_buckets": False}
         return DistributedDataParallel(model, process_group=group, **kw)
     return model  # independent / single: no communication
 
 
 def _block(model_name: str, impl: str, group, kw: dict, steps: int, warmup: int,
-           rank: int) -> float | None:
+           rank: int, probe=None) -> float | None:
     """Seconds for ``steps`` training steps on this rank (None: this rank sat it out)."""
     build, inputs = MODELS[model_name]
     torch.manual_seed(0)
@@ -139,6 +141,8 @@ def _block(model_name: str, impl: str, group, kw: dict, steps: int, warmup: int,
         for _ in range(steps):
             step()
         elapsed = time.perf_counter() - t0
+        if probe is not None:
+            probe()
     dist.barrier()
     return elapsed
 
@@ -151,6 +155,8 @@ def speed_rank(rank: int, world: int, port: int, opts: dict) -> dict:
                for impl in ("independent", "single")
                for be in [None]]
     configs += [(m, impl, be, {}) for m in opts["models"] for be in groups for impl in IMPLS]
+    if opts.get("staged") and "pycoll" in groups:   # ours with ordinary buckets: before/after in one run
+        configs += [(m, "ours-staged", "pycoll", {}) for m in opts["models"]]
     configs += [("mlp", "ours", be, {"bucket_cap_mb": cap}) for cap in opts["sweep"] for be in groups]
     for r in range(opts["rounds"]):
         shift = r % len(configs)
@@ -170,10 +176,27 @@ def memory_rank(rank: int, world: int, port: int, opts: dict) -> dict:
     if group is None:
         dist.destroy_process_group()
         return {"peak_mb": None}
-    _block(opts["model"], opts["impl"], group, opts["kw"], opts["steps"], 1, rank)
+    live: dict = {}
+    _block(opts["model"], opts["impl"], group, opts["kw"], opts["steps"], 1, rank,
+           probe=lambda: live.update(_rss_pss()))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     dist.destroy_process_group()
-    return {"peak_mb": peak / 1024, "base_mb": base / 1024}
+    return {"peak_mb": peak / 1024, "base_mb": base / 1024, **live}
+
+
+def _rss_pss() -> dict:
+    """RSS and PSS now (MiB): PSS shares each shared page among the processes mapping it, so
+    memory that the ranks share (pycoll's registered buckets) counts once across them."""
+    got = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("Rss", "Pss"):
+                    got[key.lower() + "_mb"] = int(rest.split()[0]) / 1024
+    except OSError:
+        pass
+    return got
 
 
 def _rank_main(fn_name: str, rank: int, world: int, port: int, opts: dict, queue) -> None:
@@ -252,6 +275,15 @@ def print_speed(summary: dict, opts: dict, note: str) -> None:
                _fmt(ratio(g["ours", "pycoll"], g["torch", "gloo"])),
                _fmt(ratio(g["ours", "gloo"], indep))]
         print(" | ".join(row))
+    if opts.get("staged"):
+        print("\nours on pycoll: registered buckets (default) against ordinary buckets (staged path)")
+        print("model | ours/pycoll | ours-staged/pycoll | registered/staged | ours-pycoll/indep. | staged/indep.")
+        for m in opts["models"]:
+            reg, st = _rate(rates, m, "ours", "pycoll"), _rate(rates, m, "ours-staged", "pycoll")
+            indep = _rate(rates, m, "independent", None)
+            ratio = (lambda a, b: None if a is None or b is None else a / b)
+            print(" | ".join([m, _fmt(reg), _fmt(st), _fmt(ratio(reg, st)), _fmt(ratio(reg, indep)),
+                              _fmt(ratio(st, indep))]))
     if opts["sweep"]:
         print("\nbucket_cap_mb sweep, ours on the mlp, steps/s")
         for be in ("gloo", "pycoll"):
@@ -291,6 +323,15 @@ def _measure_memory(opts: dict, tunables: str) -> list[dict]:
                   "timeout": opts["timeout"]}
             res = run_ranks("memory_rank", opts["world"], mo, opts["timeout"] + 60, fresh=True)
             rows.append({"model": m, "impl": impl, "view": bool(kw), "peak_mb": [r["peak_mb"] for r in res]})
+    pyrows = []
+    if opts.get("staged"):   # ours on pycoll, registered buckets against ordinary ones
+        for m in opts["models"]:
+            for impl, view in (("ours-staged", False), ("ours", False), ("ours-staged", True), ("ours", True)):
+                mo = {"model": m, "impl": impl, "kw": {"gradient_as_bucket_view": True} if view else {},
+                      "backend": "pycoll", "steps": 3, "timeout": opts["timeout"]}
+                res = run_ranks("memory_rank", opts["world"], mo, opts["timeout"] + 60, fresh=True)
+                pyrows.append({"model": m, "impl": impl, "view": view, "peak_mb": [r["peak_mb"] for r in res],
+                               "pss_mb": [r.get("pss_mb") for r in res], "rss_mb": [r.get("rss_mb") for r in res]})
     print(f"\npeak RSS per rank (MiB, fresh processes, gloo, 3 steps, GLIBC_TUNABLES={tunables!r})")
     for m in opts["models"]:
         grads_mb = nparams(m) * 4 / 2**20
@@ -299,7 +340,13 @@ def _measure_memory(opts: dict, tunables: str) -> list[dict]:
             f"{i}{'+view' if v else ''} {mb:.0f}" for (i, v), mb in got.items())
             + f"; ours/torch {got['ours', False] / got['torch', False]:.3f}"
             + f"; ours saves with view {got['ours', False] - got['ours', True]:.0f} MiB")
-    return rows
+    if pyrows:
+        print("\nours on pycoll, per rank (MiB, max over ranks): peak RSS; RSS and PSS after the steps "
+              "(PSS counts a page the ranks share once across them)")
+        for r in pyrows:
+            print(f"{r['model']}: {r['impl']}{'+view' if r['view'] else ''}: peak RSS {max(r['peak_mb']):.0f}, "
+                  f"RSS {max(x or 0 for x in r['rss_mb']):.0f}, PSS {max(x or 0 for x in r['pss_mb']):.0f}")
+    return rows + pyrows
 
 
 def plot_sweep(summary: dict, opts: dict, path: str) -> None:
@@ -340,6 +387,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sweep", default="0.25,1,5,25,100", help="bucket_cap_mb values; '' for none")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--no-pycoll", action="store_true")
+    p.add_argument("--staged", action="store_true",
+                   help="also time ours on pycoll with ordinary buckets (shared_buckets=False), and "
+                        "measure pycoll's memory both ways")
     p.add_argument("--malloc-default", action="store_true",
                    help="memory runs without the fixed glibc mmap threshold")
     p.add_argument("--timeout", type=float, default=600)
@@ -349,7 +399,8 @@ def main(argv: list[str] | None = None) -> int:
     ok, note = (False, "(--no-pycoll)") if a.no_pycoll else pycoll_available()
     opts = {"models": [m for m in a.models.split(",") if m], "world": a.world_size,
             "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "pycoll": ok,
-            "sweep": [float(c) for c in a.sweep.split(",") if c], "timeout": a.timeout}
+            "sweep": [float(c) for c in a.sweep.split(",") if c], "timeout": a.timeout,
+            "staged": a.staged and ok}
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, world size {a.world_size}, "
           f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     results = run_ranks("speed_rank", a.world_size, opts, a.timeout * 4)

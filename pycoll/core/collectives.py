@@ -19,6 +19,7 @@ import functools
 import torch
 
 from pycoll.core import shm_algorithms as shm
+from pycoll.core import shm_registered as registered
 from pycoll.core.kernels import copy
 from pycoll.core.reductions import Reduction
 from pycoll.core.shm_rounds import counts_hash, signature
@@ -54,6 +55,10 @@ def _small_all_reduce_step(arena, t: torch.Tensor, red: Reduction, seq: int, dea
 
 def all_reduce(comm, t: torch.Tensor, red: Reduction, seq: int, deadline: float) -> None:
     red.prepare(t)
+    if comm.mode == "shm" and comm.heap is not None and registered.wants_lookup(t):
+        # The group has registered memory (pycoll.empty_shared): in place if t lies there.
+        registered.all_reduce(comm.arena, comm.heap, t, red, seq, deadline)
+        return
     if comm.mode == "shm":
         shm.all_reduce(comm.arena, t, red, signature("all_reduce", seq, t.dtype, t.numel(), red.name),
                        deadline, f"all_reduce seq {seq}")

@@ -56,6 +56,7 @@ class Communicator:
         w = setup.wire(store, rank, world, timeout, obs.transport)
         self.mode, self.tcp, self.transport, self.executor = w.mode, w.tcp, w.transport, w.executor
         self.arena, self.local_ranks, self.host_of = w.arena, w.local_ranks, w.host_of
+        self.heap = None   # registered memory (pycoll.empty_shared), made by its first call
         self.leaders, self.leader_executor = w.leaders, w.leader_executor
         self.executor.on_step = obs.step
         if self.leader_executor is not None:
@@ -279,6 +280,8 @@ class Communicator:
         self.transport.close()
         if self.arena is not None:
             self.arena.close()
+        if self.heap is not None:
+            self.heap.close()
         self.runner.close()
 
     def sever(self, reason: str) -> None:

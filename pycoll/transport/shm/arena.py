@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import mmap
 import os
 import struct
 import time
@@ -36,10 +35,9 @@ import time
 import numpy as np
 import torch
 
-from pycoll import rendezvous
 from pycoll.errors import CommTimeoutError, MismatchError, PeerClosedError
 from pycoll.transport import waits
-from pycoll.transport.shm import futex
+from pycoll.transport.shm import futex, segment
 
 LINE = 512                  # bytes of control per rank
 SLEEP = 3                   # int32 word of a rank's line: set while it may block in FUTEX_WAIT
@@ -324,36 +322,6 @@ class ShmArena:
             pass  # a caller still holds a slot view; the mapping goes with the process
 
 
-def _map_segment(store, key: str, local_rank: int, size: int, total: int, timeout: float) -> mmap.mmap:
-    deadline = time.monotonic() + timeout
-    if local_rank == 0:
-        fd = os.memfd_create("pycoll-arena", os.MFD_CLOEXEC)
-        try:
-            os.ftruncate(fd, total)
-            mm = mmap.mmap(fd, total)
-            store.set(f"{key}/name", f"/proc/{os.getpid()}/fd/{fd}")
-            # The path lives as long as this descriptor: keep it until every local rank
-            # has opened it (a crash of this rank meanwhile fails their open, leaks nothing).
-            store.add(f"{key}/mapped", 1)
-            while store.add(f"{key}/mapped", 0) < size:
-                rendezvous.check_watch()
-                if time.monotonic() > deadline:
-                    raise CommTimeoutError(f"shm init: local ranks did not map the segment within {timeout} s")
-                time.sleep(0.001)
-        finally:
-            os.close(fd)
-        return mm, os.getpid()
-    path = rendezvous.get(store, f"{key}/name")
-    creator = int(path.split("/")[2])
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError as exc:
-        why = "rank 0 died" if not futex.alive(creator) else "rank 0 runs as another user"
-        raise PeerClosedError(f"shm init: cannot open local rank 0's segment {path}: {exc.strerror} "
-                              f"({why})") from None
-    try:
-        mm = mmap.mmap(fd, total)
-    finally:
-        os.close(fd)
-    store.add(f"{key}/mapped", 1)
-    return mm, creator
+def _map_segment(store, key: str, local_rank: int, size: int, total: int, timeout: float):
+    return segment.map_segment(store, key, local_rank, size, total, time.monotonic() + timeout, "shm init",
+                               "arena")

@@ -1,0 +1,86 @@
+"""``pycoll.empty_shared``: tensors in memory that a group's local ranks share (registered buffers).
+
+As NCCL's ``ncclMemAlloc`` + ``ncclCommRegister``: every rank of the group calls
+``empty_shared`` in the same order with the same shapes and dtypes (it is a collective);
+each gets its own tensor, and the group's collectives that recognise such tensors on all
+local ranks at the same place work on them in place (all_reduce: ``core.shm_registered``).
+On a group whose ranks do not all share one host, or that is not on shared memory, it
+returns an ordinary ``torch.empty`` tensor without communicating (``can_share_memory`` says
+which), so code can call it unconditionally on pycoll groups.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pycoll import torch_compat
+from pycoll.core import shm_registered
+from pycoll.core.reductions import SUPPORTED_DTYPES
+from pycoll.transport.shm.registered import SharedHeap
+
+
+def _backend(group):
+    pg = group if group is not None else torch_compat.default_group()
+    if getattr(pg, "communicator", None) is not None:
+        return pg
+    try:
+        backend = pg._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):
+        backend = None
+    if getattr(backend, "communicator", None) is None:
+        raise ValueError(f"pycoll.empty_shared: {pg!r} is not a pycoll process group")
+    return backend
+
+
+def can_share_memory(group=None) -> bool:
+    """Whether ``group`` is a pycoll group whose ranks all run on one host over shared
+    memory (mode "shm"), so that ``empty_shared`` gives registered memory. False for
+    groups of other backends."""
+    try:
+        return _backend(group).communicator.mode == "shm"
+    except ValueError:
+        return False
+
+
+def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None) -> torch.Tensor:
+    """An uninitialised CPU tensor in ``group``'s shared heap (a collective: call it on
+    every rank of the group, in the same order, with the same shape and dtype).
+
+    The memory is freed when the tensor (and every view of it) is gone; destroying the
+    group frees what no tensor uses any more, and a killed process leaks nothing. A tensor
+    stays valid after its group is destroyed, as ordinary memory."""
+    if isinstance(shape, int):
+        shape = (shape,)
+    shape = tuple(int(s) for s in shape)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"pycoll.empty_shared: dtype {dtype} is not supported")
+    backend = _backend(group)
+    comm = backend.communicator
+    if comm.mode != "shm":
+        return torch.empty(shape, dtype=dtype)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if comm.heap is None:
+        arena = comm.arena
+        comm.heap = SharedHeap(backend.get_group_store(), "pycoll/heap", arena.me, arena.size, comm.timeout)
+    got: list = []
+
+    def task(seq: int, deadline: float) -> None:
+        got.append(shm_registered.allocate(comm.arena, comm.heap, nbytes, seq, deadline))
+
+    comm.submit("empty_shared", [], task, True).wait()
+    if got[0] is None:
+        return torch.empty(shape, dtype=dtype)
+    _, arr = got[0]
+    return torch.from_numpy(arr).view(dtype).view(shape)
+
+
+def is_registered(t: torch.Tensor, group=None) -> bool:
+    """Whether ``t``'s memory lies in ``group``'s shared heap (made by ``empty_shared``)."""
+    try:
+        heap = _backend(group).communicator.heap
+    except ValueError:
+        return False
+    return (heap is not None and t.device.type == "cpu" and t.numel() > 0
+            and heap.lookup(t.data_ptr(), t.numel() * t.element_size()) is not None)

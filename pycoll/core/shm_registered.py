@@ -1,0 +1,142 @@
+"""Collectives on registered memory (``pycoll.empty_shared``): in place, no staging.
+
+When every local rank passes a tensor of the group's shared heap at the same offset
+(``transport.shm.registered``), each can read and write its peers' tensors directly, so
+all_reduce needs no staging slot:
+
+    barrier (every input is complete; the signatures, registration included, agree)
+    rank r, for its 1/P slice, in pieces of PIECE_BYTES:
+        acc = x0 op x1 op ... op x(P-1)   (rank order, into rank 0's or 1's copy)
+        write acc into every other rank's copy
+    barrier (every slice is everywhere)
+
+A rank reads n bytes (its slice of P inputs) and writes n (its slice of P outputs): 2n of
+memory traffic against 3.5n-5n for the staged forms, one copy's worth, the least any
+all_reduce can move; and each slice is computed once, so the result is bitwise the same on
+every rank. A piece stays in the cache between its reduction and its copies out.
+
+Agreement. Each rank puts its tensor's heap offset (+1; 0: not registered) in the extra
+word of its all_reduce signature, so a rank with registered memory meeting one without (or
+at another offset) is a ``MismatchError`` on every rank at the first barrier, before
+anybody writes into a peer's memory. Only all_reduces over ``ONE_SHOT_BYTES`` look: below,
+the one-round staged form (one barrier) is faster and never writes into peers' memory.
+
+Allocation is itself a collective (``allocate``): its signature carries the size and the
+offset each rank's heap will give, so ranks whose calls differ fail there, not later.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pycoll import wire
+from pycoll.algorithms.schedule import chunks
+from pycoll.core import shm_algorithms as shm
+from pycoll.core.kernels import copy
+from pycoll.core.reductions import Reduction
+from pycoll.core.shm_rounds import ONE_SHOT_BYTES, Barriers, describe_words, signature
+from pycoll.errors import MismatchError
+from pycoll.transport.shm.arena import ShmArena
+from pycoll.transport.shm.registered import SharedHeap
+
+PIECE_BYTES = 256 << 10     # a piece's P inputs stay in the caches (measured: docs/shm.md)
+ALLOC_ROOT = -2             # the root word that marks an allocation's barrier signature
+_ALL_REDUCE, _BARRIER = wire.OP_WORD["all_reduce"], wire.OP_WORD["barrier"]
+_NP_DTYPES = {torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
+              torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32,
+              torch.float64: np.float64, torch.float16: np.float16}
+
+
+def describe(words: tuple[int, ...]) -> str:
+    """``describe_words``, saying where a large all_reduce's tensor lives and naming allocations."""
+    if words[0] == _BARRIER and words[5] == ALLOC_ROOT:
+        return f"empty_shared(seq={words[1]}, nbytes={words[3]}, heap offset={words[6]})"
+    text, sig = describe_words(words), wire.unpack(words)
+    if words[0] == _ALL_REDUCE and sig is not None and wire.nbytes(sig) > ONE_SHOT_BYTES:
+        text += f" on registered memory at heap offset {words[6] - 1}" if words[6] > 0 \
+            else " on unregistered memory"
+    return text
+
+
+def _explained(arena: ShmArena, words) -> None:
+    """After a MismatchError: raise it again with every rank's registration described."""
+    arena.check_signatures(words, describe)
+
+
+def wants_lookup(t: torch.Tensor) -> bool:
+    return t.numel() * t.element_size() > ONE_SHOT_BYTES
+
+
+def all_reduce(arena: ShmArena, heap: SharedHeap | None, t: torch.Tensor, red: Reduction, seq: int,
+               deadline: float) -> None:
+    """all_reduce of flat ``t`` (larger than ONE_SHOT_BYTES) in place when it is registered,
+    by the staged forms of ``shm_algorithms`` when not; applies ``red.finish`` either way."""
+    what = f"all_reduce seq {seq}"
+    block = heap.lookup(t.data_ptr(), t.nbytes) if heap is not None else None
+    words = signature("all_reduce", seq, t.dtype, t.numel(), red.name,
+                      extra=0 if block is None else 1 + block.global_offset)
+    if block is None:
+        try:
+            shm.all_reduce(arena, t, red, words, deadline, what)
+        except MismatchError:
+            _explained(arena, words)
+            raise
+        red.finish(t)
+        return
+    barrier = Barriers(arena, words, deadline, what)
+    arena.next_parity()    # (one round, for the observers and the hang dump)
+    try:
+        barrier()
+    except MismatchError:
+        _explained(arena, words)
+        raise
+    _reduce_slice(arena.size, arena.me, heap, block, t, red)
+    barrier()
+
+
+def _reduce_slice(L: int, me: int, heap: SharedHeap, block, t: torch.Tensor, red: Reduction) -> None:
+    """Reduce this rank's 1/L slice of every rank's copy and write it into all of them."""
+    n, dt, nbytes = t.numel(), t.dtype, t.nbytes
+    if L == 1:
+        red.finish(t)
+        return
+    numpy = red.numpy_loops and dt in _NP_DTYPES
+    if numpy:
+        bufs = heap.numpy_views(block, nbytes, np.dtype(_NP_DTYPES[dt]))
+        combine, put = red.np_combine, np.copyto
+    else:
+        bufs = heap.tensor_views(block, nbytes, dt)
+        combine, put = red.combine, copy
+    lo, size = chunks(n, L)[me]
+    step = max(1, PIECE_BYTES // t.element_size())
+    # The accumulator is rank 0's or rank 1's copy: x0 op x1 may overwrite either before
+    # the others are added (rank me >= 2's own copy would be overwritten before it is read).
+    into = me if me < 2 else 0
+    for a in range(lo, lo + size, step):
+        b = min(a + step, lo + size)
+        parts = [buf[a:b] for buf in bufs]
+        acc = parts[into]
+        combine(parts[0], parts[1], acc)
+        for q in range(2, L):
+            combine(acc, parts[q], acc)
+        if red.divisor != 1:
+            red.finish(torch.from_numpy(acc) if numpy else acc)
+        for q in range(L):
+            if q != into:
+                put(parts[q], acc)
+
+
+# -- allocation ------------------------------------------------------------------------
+def allocate(arena: ShmArena, heap: SharedHeap, nbytes: int, seq: int, deadline: float):
+    """The collective behind ``empty_shared``: every local rank allocates ``nbytes`` at the
+    same offset, or all fail. Returns (block, numpy uint8 array) or None for 0 bytes."""
+    words = signature("barrier", seq, torch.uint8, nbytes, root=ALLOC_ROOT,
+                      extra=heap.next_offset(nbytes) if nbytes else 0)
+    barrier = Barriers(arena, words, deadline, f"empty_shared seq {seq}")
+    try:
+        barrier()
+    except MismatchError:
+        _explained(arena, words)
+        raise
+    return heap.alloc(nbytes, deadline) if nbytes else None

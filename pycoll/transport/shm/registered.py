@@ -1,0 +1,203 @@
+"""Registered memory: a heap of shared segments that every local rank maps, for user tensors.
+
+``SharedHeap`` is the per-group allocator behind ``pycoll.empty_shared``. It hands out
+blocks of memory that every local rank can read and write, so that a collective on tensors
+living there can work on the peers' tensors directly instead of staging them (the
+registered all_reduce of ``core.shm_registered``).
+
+Layout. The heap is a list of chunks; a chunk is one ``memfd_create`` segment holding one
+region per local rank, of ``length`` bytes each (``PYCOLL_SHM_HEAP_BYTES``, default 64 MiB,
+or the request if larger). A block is the same range of every rank's region: local rank r's
+tensor is region r's bytes [off, off + n), and it sees its peers' copies of that block at
+the same offset of their regions. The memory is sparse: a page costs nothing until touched.
+
+Agreement. Every local rank allocates the same sizes in the same order (the callers run the
+allocation as a collective, which checks that), and the allocator is deterministic: a bump
+pointer over an address space of chunk offsets that are never reused. So every rank gives
+the n-th block the same global offset, whatever order the ranks' garbage collectors free
+blocks in (a free list would let that order decide where the next block goes).
+
+Lifetime. A chunk's segment is created by local rank 0 and mapped by the others through
+``/proc/<pid>/fd/<n>``, as the arena is (``arena.py``); rank 0 closes its descriptor once
+all have mapped it, so the memory lives exactly as long as a mapping: ``kill -9`` of any
+rank leaves nothing behind. A block is freed when the last tensor over it dies (its storage
+holds the numpy array whose finaliser frees it): its pages in this rank's region are handed
+back to the kernel (``MADV_REMOVE``), and a chunk with no live block left that no longer
+takes allocations is unmapped by this rank. ``close`` (group destroy) drops the heap's own
+references; tensors still alive keep their chunk mapped until they die, and stay valid.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pycoll.transport.shm import segment
+
+PAGE = 4096
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+@dataclass(eq=False)
+class Chunk:
+    """One shared segment: ``size`` regions of ``length`` bytes, one per local rank."""
+
+    index: int
+    start: int                  # global offset of the chunk's first byte (regions are alike)
+    length: int                 # bytes per rank's region
+    mm: mmap.mmap | None
+    lo: int                     # address of this rank's region, and its end
+    hi: int
+    regions: list = field(default_factory=list)     # every rank's region as a numpy uint8 array
+    tensors: list = field(default_factory=list)     # the same as torch uint8 tensors (made on demand)
+    used: int = 0               # bytes of each region handed out
+    live: int = 0               # blocks of this rank still alive
+    open: bool = True           # still takes allocations
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """Where a tensor of this rank lies in the heap: a chunk and the offset in its region."""
+
+    chunk: Chunk
+    offset: int
+
+    @property
+    def global_offset(self) -> int:
+        return self.chunk.start + self.offset
+
+
+class SharedHeap:
+    """The registered memory of one group's local ranks (``local_rank`` of ``size``)."""
+
+    def __init__(self, store, key: str, local_rank: int, size: int, timeout: float,
+                 chunk_bytes: int | None = None) -> None:
+        self.store, self.key, self.me, self.size, self.timeout = store, key, local_rank, size, timeout
+        want = chunk_bytes or int(os.environ.get("PYCOLL_SHM_HEAP_BYTES", DEFAULT_CHUNK_BYTES))
+        self.chunk_bytes = max(PAGE, -(-want // PAGE) * PAGE)
+        self.chunks: list[Chunk] = []
+        self.top = 0               # global offset where the next chunk would start
+        self.made = 0              # chunks created so far (their store keys' index)
+        self.closed = False
+        # Reentrant: a garbage collection inside alloc may run a block's finaliser (free).
+        self._lock = threading.RLock()
+
+    # -- allocation ----------------------------------------------------------------------
+    def next_offset(self, nbytes: int) -> int:
+        """The global offset ``alloc(nbytes)`` will return (every rank must agree on it)."""
+        n = _round(nbytes)
+        cur = self.chunks[-1] if self.chunks and self.chunks[-1].open else None
+        if cur is not None and cur.used + n <= cur.length:
+            return cur.start + cur.used
+        return self.top
+
+    def alloc(self, nbytes: int, deadline: float) -> tuple[Block, np.ndarray]:
+        """A block of ``nbytes`` (> 0) and this rank's copy of it as a numpy uint8 array.
+
+        Collective when it needs a new chunk (local rank 0 creates it, all map it). The
+        block lives as long as the array (and whatever keeps the array alive)."""
+        if self.closed:
+            raise RuntimeError("pycoll.empty_shared: the group's shared heap is closed")
+        n = _round(nbytes)
+        with self._lock:
+            cur = self.chunks[-1] if self.chunks and self.chunks[-1].open else None
+            if cur is None or cur.used + n > cur.length:
+                if cur is not None:
+                    cur.open = False
+                    self._maybe_drop(cur)
+                cur = self._new_chunk(max(self.chunk_bytes, n), deadline)
+            off = cur.used
+            cur.used += n
+            cur.live += 1
+        arr = np.frombuffer(cur.mm, dtype=np.uint8, count=nbytes, offset=self.me * cur.length + off)
+        weakref.finalize(arr, _release, weakref.ref(self), cur, off, n)
+        return Block(cur, off), arr
+
+    def _new_chunk(self, length: int, deadline: float) -> Chunk:
+        index, self.made = self.made, self.made + 1
+        mm, _ = segment.map_segment(self.store, f"{self.key}/{index}", self.me, self.size, self.size * length,
+                                    deadline, "empty_shared", "heap")
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+        lo = base + self.me * length
+        chunk = Chunk(index, self.top, length, mm, lo, lo + length)
+        chunk.regions = [np.frombuffer(mm, dtype=np.uint8, count=length, offset=q * length)
+                         for q in range(self.size)]
+        self.top += length
+        self.chunks.append(chunk)
+        return chunk
+
+    # -- lookup --------------------------------------------------------------------------
+    def lookup(self, ptr: int, nbytes: int) -> Block | None:
+        """The block holding ``nbytes`` at address ``ptr`` of this rank's memory, if any."""
+        for c in self.chunks:
+            if c.lo <= ptr and ptr + nbytes <= c.hi and c.mm is not None:
+                return Block(c, ptr - c.lo)
+        return None
+
+    def numpy_views(self, block: Block, nbytes: int, dtype: np.dtype) -> list[np.ndarray]:
+        """Every local rank's copy of ``nbytes`` at ``block``, typed, in rank order."""
+        o = block.offset
+        return [r[o:o + nbytes].view(dtype) for r in block.chunk.regions]
+
+    def tensor_views(self, block: Block, nbytes: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        c, o = block.chunk, block.offset
+        if not c.tensors:
+            c.tensors = [torch.from_numpy(r) for r in c.regions]
+        return [t[o:o + nbytes].view(dtype) for t in c.tensors]
+
+    # -- freeing -------------------------------------------------------------------------
+    def _maybe_drop(self, chunk: Chunk) -> None:
+        """Unmap ``chunk`` on this rank once it takes no allocations and holds no live block."""
+        if chunk.live or (chunk.open and not self.closed) or chunk.mm is None:
+            return
+        if chunk in self.chunks:
+            self.chunks.remove(chunk)
+        chunk.regions, chunk.tensors = [], []
+        mm, chunk.mm = chunk.mm, None
+        try:
+            mm.close()
+        except BufferError:
+            pass   # a view somebody still holds; the mapping goes with it
+
+    def free(self, chunk: Chunk, offset: int, n: int) -> None:
+        with self._lock:
+            chunk.live -= 1
+            mm = chunk.mm
+            if mm is not None and not mm.closed:
+                try:   # hand this rank's pages of the block back (its peers' are theirs)
+                    mm.madvise(mmap.MADV_REMOVE, self.me * chunk.length + offset, n)
+                except (OSError, ValueError):
+                    pass
+            self._maybe_drop(chunk)
+
+    def live_blocks(self) -> int:
+        return sum(c.live for c in self.chunks)
+
+    def close(self) -> None:
+        """Group destroy: no more allocations; chunks without live tensors are unmapped now,
+        the others when their last tensor dies."""
+        with self._lock:
+            self.closed = True
+            for c in list(self.chunks):
+                c.open = False
+                self._maybe_drop(c)
+            for c in self.chunks:   # live tensors keep these mapped (through their own arrays)
+                c.regions, c.tensors, c.mm = [], [], None
+            self.chunks = []
+
+
+def _release(heap_ref, chunk: Chunk, offset: int, n: int) -> None:
+    heap = heap_ref()
+    if heap is not None:
+        heap.free(chunk, offset, n)
+
+
+def _round(nbytes: int) -> int:
+    return max(PAGE, -(-nbytes // PAGE) * PAGE)

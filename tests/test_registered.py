@@ -1,0 +1,370 @@
+"""Registered buffers (``pycoll.empty_shared``) and the in-place all_reduce on them.
+
+Real rank processes on the reused pool (tests/harness.py), real shared memory: results
+against a reference reduction in rank order, for every dtype and op the shared-memory
+all_reduce takes, sizes around the registered path's threshold, world sizes 2-4; a
+registration that differs between ranks is a MismatchError on every rank and corrupts
+nothing; the heap's lifetime (freed at destroy, no descriptor or mapping left); and ddp/
+with buckets in registered memory trains exactly as with ordinary buckets.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(300)
+
+BIG = 16384 + 37          # float32: just over the one-shot threshold (64 KiB), odd
+MANY = 3 * 65536 + 11     # several pieces of the registered all_reduce, not divisible by 2-4
+
+
+def _count_registered():
+    """Count the registered all_reduce's slice reductions in this rank (the path taken)."""
+    from pycoll.core import shm_registered as R
+
+    calls = []
+    original = R._reduce_slice
+
+    def counted(*args):
+        calls.append(1)
+        return original(*args)
+    R._reduce_slice = counted
+    return calls, lambda: setattr(R, "_reduce_slice", original)
+
+
+def _inputs(rank: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    if dtype is torch.bool:
+        return torch.rand(n, generator=g) < 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        x = torch.randn(n, generator=g, dtype=torch.float64)
+        if op == "product":
+            x = 1 + x / 8          # keep products of 4 ranks in range
+        if dtype.is_complex:
+            x = torch.complex(x, torch.randn(n, generator=g, dtype=torch.float64))
+        return x.to(dtype)
+    hi = 3 if op == "product" else 100
+    lo = 0 if dtype is torch.uint8 else -hi
+    return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype)
+
+
+def _reference(world: int, n: int, dtype, op: str) -> torch.Tensor:
+    xs = [_inputs(r, n, dtype, op) for r in range(world)]
+    if dtype is torch.bool:
+        fold = {"sum": torch.logical_or, "max": torch.logical_or, "bor": torch.logical_or,
+                "product": torch.logical_and, "min": torch.logical_and, "band": torch.logical_and,
+                "bxor": torch.logical_xor}[op]
+    else:
+        fold = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "min": torch.minimum,
+                "max": torch.maximum, "band": torch.bitwise_and, "bor": torch.bitwise_or,
+                "bxor": torch.bitwise_xor, "premul_sum": torch.add}[op]
+    if op == "premul_sum":
+        xs = [x * 0.5 for x in xs]
+    acc = xs[0].clone()
+    for x in xs[1:]:
+        acc = fold(acc, x)
+    if op == "avg":
+        acc = acc / world if (dtype.is_floating_point or dtype.is_complex) else torch.div(acc, world, rounding_mode="trunc")
+    return acc
+
+
+def _redop(op: str, dtype):
+    if op == "premul_sum":
+        return dist._make_nccl_premul_sum(0.5)
+    return getattr(dist.ReduceOp, op.upper())
+
+
+def _all_reduce_cases(rank, world, cases):
+    import pycoll
+
+    calls, undo = _count_registered()
+    out = []
+    try:
+        for n, dtype, op in cases:
+            t = pycoll.empty_shared((n,), dtype=dtype)
+            t.copy_(_inputs(rank, n, dtype, op))
+            before = len(calls)
+            dist.all_reduce(t, op=_redop(op, dtype))
+            ref = _reference(world, n, dtype, op)
+            if dtype.is_floating_point or dtype.is_complex:
+                tol = {torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype, 1e-5)
+                ok = torch.allclose(t.to(ref.dtype), ref, rtol=tol, atol=tol)
+            else:
+                ok = torch.equal(t, ref)
+            out.append((n, str(dtype), op, bool(ok), len(calls) - before, pycoll.is_registered(t) if n else None,
+                        t.view(-1)[:4].tolist(), float(t.double().sum()) if not dtype.is_complex else 0.0))
+    finally:
+        undo()
+    return out
+
+
+def _check(results, cases, world):
+    for i, (n, dtype, op) in enumerate(cases):
+        rows = [r[i] for r in results]
+        assert all(row[3] for row in rows), (n, dtype, op, rows)
+        assert len({(tuple(row[6]), row[7]) for row in rows}) == 1, f"ranks disagree: {rows}"
+        big = n * torch.empty(0, dtype=dtype).element_size() > 65536
+        assert all(row[4] == (1 if big else 0) for row in rows), f"path: {rows}"
+        if n:
+            assert all(row[5] for row in rows), rows
+
+
+DTYPE_OPS = [
+    (torch.float32, ["sum", "product", "min", "max", "avg", "premul_sum"]),
+    (torch.float64, ["sum", "avg"]),
+    (torch.float16, ["sum", "max"]),
+    (torch.bfloat16, ["sum", "min"]),
+    (torch.complex64, ["sum", "avg"]),
+    (torch.int32, ["sum", "product", "min", "max", "band", "bor", "bxor", "avg"]),
+    (torch.int64, ["sum", "bxor"]),
+    (torch.int8, ["max"]),
+    (torch.int16, ["sum"]),
+    (torch.uint8, ["bor", "sum"]),
+    (torch.bool, ["sum", "product", "bxor"]),
+]
+
+
+def _sizes(dtype):
+    item = torch.empty(0, dtype=dtype).element_size()
+    return [0, 1, 65536 // item + 1, MANY // item]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_all_reduce_every_dtype_and_op(world):
+    cases = [(n, dt, op) for dt, ops in DTYPE_OPS for op in ops for n in _sizes(dt)]
+    res = run_ranks(_all_reduce_cases, world, cases, backend="pycoll", timeout=240)
+    _check(res, cases, world)
+
+
+def test_all_reduce_world_4():
+    cases = [(n, torch.float32, op) for op in ("sum", "avg", "max") for n in (0, 1, 7, BIG, MANY)]
+    cases += [(MANY, torch.int64, "sum"), (MANY // 2, torch.bfloat16, "sum")]
+    res = run_ranks(_all_reduce_cases, 4, cases, backend="pycoll", timeout=240)
+    _check(res, cases, 4)
+
+
+def _mixed(rank, world, n):
+    """Registered and ordinary tensors interleaved, sub-views, async ops, repeated use."""
+    import pycoll
+
+    calls, undo = _count_registered()
+    try:
+        a = pycoll.empty_shared((4, n // 4), dtype=torch.float32)
+        b = pycoll.empty_shared(n, dtype=torch.float64)
+        plain = torch.empty(n)
+        sums = []
+        for step in range(3):
+            a.fill_(rank + step)
+            b.fill_(2.0 * rank)
+            plain.fill_(rank + 1)
+            works = [dist.all_reduce(x, async_op=True) for x in (a, plain, b)]
+            dist.all_reduce(a.view(-1)[n // 4:])          # a registered sub-view, same offset everywhere
+            for w in works:
+                w.wait()
+            sums.append((a[0, 0].item(), a[3, 0].item(), b[0].item(), plain[0].item()))
+        return sums, len(calls)
+    finally:
+        undo()
+
+
+def test_mixed_registered_and_plain_async():
+    n = 4 * BIG
+    res = run_ranks(_mixed, 2, n, backend="pycoll")
+    for sums, ncalls in res:
+        assert ncalls == 9, res         # a, b and the sub-view of a, three times; plain is staged
+        for step, (a0, a3, b0, p0) in enumerate(sums):
+            s = (0 + step) + (1 + step)
+            assert (a0, a3, b0, p0) == (s, 2 * s, 2.0, 3.0), res
+
+
+# -- mismatches ----------------------------------------------------------------------------
+def _mismatch(rank, world, how):
+    import pycoll
+
+    n = BIG
+    if how == "alloc":
+        try:
+            pycoll.empty_shared(n + rank * 1024)
+        except pycoll.MismatchError as e:
+            return str(e)
+        return "no error"
+    reg = pycoll.empty_shared(n)
+    other = pycoll.empty_shared(n)
+    plain = torch.empty(n)
+    for x in (reg, other, plain):
+        x.fill_(rank + 1)
+    t = {"plain": plain if rank == 1 else reg, "offset": other if rank == 1 else reg}[how]
+    try:
+        dist.all_reduce(t)
+    except pycoll.MismatchError as e:
+        return str(e), reg.sum().item(), other.sum().item(), plain.sum().item()
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["plain", "offset", "alloc"])
+def test_registration_mismatch_is_an_error_everywhere(how):
+    import pycoll  # noqa: F401  (registers the backend in this process)
+
+    res = run_ranks(_mismatch, 2, how, backend="pycoll")
+    for rank, r in enumerate(res):
+        assert r != "no error", res
+        msg = r if how == "alloc" else r[0]
+        assert "mismatch" in msg, res
+        if how == "alloc":
+            assert "empty_shared" in msg, res
+            continue
+        assert "registered memory at heap offset" in msg, res
+        if how == "plain":
+            assert "unregistered memory" in msg, res
+        # nothing was reduced into anybody's memory
+        assert r[1:] == (BIG * (rank + 1.0),) * 3, res
+
+
+# -- lifetime ------------------------------------------------------------------------------
+def _heap_maps() -> int:
+    with open("/proc/self/maps") as f:
+        return sum("pycoll-heap" in line for line in f)
+
+
+def _heap_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "pycoll-heap" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass
+    return n
+
+
+def _lifetime(rank, world):
+    import pycoll
+
+    pg = dist.distributed_c10d._get_default_group()
+    heap_of = (lambda: pg.communicator.heap)
+    small = [pycoll.empty_shared(1000) for _ in range(3)]       # one chunk
+    big = pycoll.empty_shared((70 << 20) // 4)                   # its own chunk (> 64 MiB)
+    big.fill_(1)
+    dist.all_reduce(big)
+    seen = {"maps": _heap_maps(), "fds": _heap_fds(), "chunks": len(heap_of().chunks),
+            "live": heap_of().live_blocks(), "big": big[-1].item()}
+    del small
+    gc.collect()
+    seen["live_after_del"] = heap_of().live_blocks()
+    keep = pycoll.empty_shared(10)
+    keep.fill_(7)
+    del big
+    gc.collect()
+    seen["maps_after_big"] = _heap_maps()
+    dist.destroy_process_group()
+    gc.collect()
+    seen["maps_after_destroy"] = _heap_maps()
+    seen["keep"] = keep.sum().item()          # still valid memory after destroy
+    del keep
+    gc.collect()
+    seen["maps_at_end"] = _heap_maps()
+    seen["fds_at_end"] = _heap_fds()
+    return seen
+
+
+def test_heap_lifetime_freed_at_destroy_no_fds():
+    res = run_ranks(_lifetime, 2, backend="pycoll")
+    for s in res:
+        # rank 0's creating descriptor is closed once all mapped; what is left is the one
+        # Python's mmap object keeps of its own, per chunk (gone with the mapping)
+        assert s["fds"] <= s["chunks"] and s["fds_at_end"] == 0, res
+        assert s["chunks"] == 2 and s["live"] == 4 and s["big"] == 2.0, res
+        assert s["live_after_del"] == 1, res
+        assert s["maps_after_big"] >= 1 and s["maps_after_destroy"] >= 1, res   # 'keep' holds its chunk
+        assert s["keep"] == 70.0, res
+        assert s["maps_at_end"] == 0, res
+
+
+def _plain_when_not_shm(rank, world):
+    import pycoll
+
+    t = pycoll.empty_shared((3, 5), dtype=torch.int16)
+    return pycoll.can_share_memory(), pycoll.is_registered(t), tuple(t.shape), str(t.dtype)
+
+
+def test_tcp_group_gets_plain_memory():
+    res = run_ranks(_plain_when_not_shm, 2, backend="pycoll", env={"PYCOLL_TRANSPORT": "tcp"})
+    assert res == [(False, False, (3, 5), "torch.int16")] * 2
+
+
+# -- ddp/ ----------------------------------------------------------------------------------
+def _ddp_train(rank, world, view, shared, cap):
+    import pycoll
+    from ddp import DistributedDataParallel
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                              torch.nn.ReLU(), torch.nn.Linear(256, 10))
+    model = DistributedDataParallel(net, bucket_cap_mb=cap, first_bucket_cap_mb=0.1,
+                                    gradient_as_bucket_view=view, shared_buckets=shared)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    registered = [pycoll.is_registered(b.buffer) for b in model.reducer.buckets]
+    views = [p.grad.data_ptr() == v.data_ptr() for b in model.reducer.buckets for p, v in zip(b.params, b.views)]
+    return [p.detach().clone() for p in net.parameters()], registered, all(views)
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_ddp_registered_buckets_equal_plain(view):
+    got = {}
+    for shared in (True, False):
+        got[shared] = run_ranks(_ddp_train, 2, view, shared, 0.25, backend="pycoll")
+    for rank in range(2):
+        params_s, reg_s, views_s = got[True][rank]
+        params_p, reg_p, views_p = got[False][rank]
+        assert all(reg_s) and len(reg_s) > 1 and not any(reg_p), (reg_s, reg_p)
+        assert views_s == views_p == view
+        for a, b in zip(params_s, params_p):
+            assert torch.equal(a, b)
+    for a, b in zip(got[True][0][0], got[True][1][0]):
+        assert torch.equal(a, b)
+
+
+def test_ddp_on_gloo_keeps_plain_buckets():
+    res = run_ranks(_ddp_train, 2, True, None, 0.25, backend="gloo")
+    assert not any(res[0][1]) and res[0][2]
+
+
+def _die_in_registered(rank, world, victim):
+    import signal
+    import threading
+    import time
+
+    import pycoll
+
+    t = pycoll.empty_shared(4 << 20)
+    t.fill_(1)
+    if rank == victim:
+        threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+    start = time.monotonic()
+    try:
+        for _ in range(100000):
+            dist.all_reduce(t)
+            t.fill_(1)
+    except Exception as exc:  # noqa: BLE001 - the error is the result
+        return time.monotonic() - start, f"{type(exc).__name__}: {exc}", _heap_fds()
+    return None
+
+
+def test_kill9_inside_a_registered_all_reduce():
+    res = run_ranks(_die_in_registered, 2, 1, backend="pycoll", may_die=(1,))
+    assert res[1] == "died"
+    elapsed, text, fds = res[0]
+    assert elapsed < 3.0 and "rank 1" in text, res
+    assert fds <= 1, res    # the mmap's own descriptor of its one chunk, nothing of the dead rank's

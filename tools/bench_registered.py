@@ -1,0 +1,133 @@
+"""Registered (``pycoll.empty_shared``) against staged shared-memory all_reduce, one run.
+
+    python tools/bench_registered.py [--world-size 2] [--sizes 1M,2M,4M,8M,16M,32M,64M]
+        [--iters 40] [--chunk 5] [--dtype float32] [--ref-seconds 0.5]
+
+``world_size`` ranks on one host (a pycoll group over shared memory, one torch thread each,
+as under torchrun). For each size, every rank holds a registered tensor and an ordinary
+one; the two are all-reduced in alternating chunks of ``--chunk`` back-to-back ops until
+each has ``--iters``, so a slow phase of the machine hits both alike. Each op's time is the
+slowest rank's; the table gives medians, busbw (algbw x 2(P-1)/P, as nccl-tests) and the
+one-host bound that ``tools/bench.py`` prints: each rank must read and write n bytes, one
+copy, at the rate each of P one-thread processes copies while all copy at once (measured
+before and after the ranks; the better is kept). Each variant is checked once (#wrong).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _rank(rank: int, world: int, port: int, opts: dict, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        import pycoll
+
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+        dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
+                                timeout=timedelta(seconds=120))
+        dtype = getattr(torch, opts["dtype"])
+        item = torch.empty(0, dtype=dtype).element_size()
+        out = {}
+        for nbytes in opts["sizes"]:
+            n = nbytes // item
+            bufs = {"registered": pycoll.empty_shared(n, dtype=dtype), "staged": torch.empty(n, dtype=dtype)}
+            wrong = {}
+            for name, t in bufs.items():
+                t.fill_(rank + 1)
+                dist.all_reduce(t)
+                wrong[name] = int((t != world * (world + 1) / 2).sum())
+                t.zero_()        # repeated sums stay at zero: no overflow, no denormals
+            times = {name: [] for name in bufs}
+            for name, t in bufs.items():      # warm-up
+                dist.all_reduce(t)
+            while min(len(v) for v in times.values()) < opts["iters"]:
+                for name, t in bufs.items():
+                    for _ in range(opts["chunk"]):
+                        t0 = time.perf_counter()
+                        dist.all_reduce(t)
+                        times[name].append(time.perf_counter() - t0)
+            out[nbytes] = {"times": times, "wrong": wrong}
+            del bufs
+        dist.destroy_process_group()
+        queue.put((rank, "ok", out))
+    except BaseException as e:  # noqa: BLE001
+        import traceback
+        queue.put((rank, "err", f"{e}\n{traceback.format_exc()}"))
+
+
+def _size(text: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * mult[text[-1].upper()]) if text[-1].upper() in mult else int(text)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--sizes", default="1M,2M,4M,8M,16M,32M,64M")
+    p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--chunk", type=int, default=5)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--ref-seconds", type=float, default=0.5)
+    a = p.parse_args(argv)
+    from pycoll.cli.bench import ref
+
+    world = a.world_size
+    opts = {"sizes": [_size(s) for s in a.sizes.split(",") if s], "iters": a.iters, "chunk": a.chunk,
+            "dtype": a.dtype}
+    before = ref.memcpy_per_rank(a.ref_seconds, world) / 1e9 if a.ref_seconds > 0 else 0.0
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_rank, args=(r, world, store.port, opts, queue), daemon=True) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    results = [None] * world
+    for _ in range(world):
+        rank, status, value = queue.get(timeout=1800)
+        if status != "ok":
+            print(f"rank {rank} failed: {value}", file=sys.stderr)
+            return 1
+        results[rank] = value
+    for proc in procs:
+        proc.join(10)
+    after = ref.memcpy_per_rank(a.ref_seconds, world) / 1e9 if a.ref_seconds > 0 else 0.0
+    copy_rate = max(before, after)
+    bound = ref.all_reduce_bound(copy_rate * 1e9, world) / 1e9 if copy_rate else float("nan")
+    factor = 2 * (world - 1) / world
+    print(f"# all_reduce world {world} {a.dtype} op sum, {a.iters} ops each, chunks of {a.chunk} alternating; "
+          f"median of the slowest rank's time per op")
+    print(f"# one-host bound: {copy_rate:.2f} GB/s copied by each of {world} one-thread processes at once "
+          f"(before {before:.2f}, after {after:.2f}) -> busbw bound {bound:.2f} GB/s")
+    print(f"{'size':>8} {'staged us':>10} {'busbw':>7} {'registered us':>14} {'busbw':>7} {'speedup':>8} "
+          f"{'reg/bound':>9} {'#wrong':>7}")
+    rows = []
+    for nbytes in opts["sizes"]:
+        med = {}
+        for name in ("staged", "registered"):
+            per_op = [max(ts) for ts in zip(*(r[nbytes]["times"][name] for r in results))]
+            med[name] = statistics.median(per_op)
+        bw = {k: nbytes / v / 1e9 * factor for k, v in med.items()}
+        wrong = sum(r[nbytes]["wrong"][k] for r in results for k in ("staged", "registered"))
+        rows.append((nbytes, med, bw))
+        print(f"{nbytes >> 20:>6}Mi {med['staged'] * 1e6:>10.0f} {bw['staged']:>7.2f} {med['registered'] * 1e6:>14.0f} "
+              f"{bw['registered']:>7.2f} {med['staged'] / med['registered']:>7.2f}x {bw['registered'] / bound:>8.0%} "
+              f"{wrong:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

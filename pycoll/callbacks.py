@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable
 
 log = logging.getLogger("pycoll")
 
 IDLE_S = 5.0
+CLOSE_WAIT_S = 5.0   # how long closing a group waits for callbacks still running
 _local = threading.local()
 
 
@@ -82,16 +84,18 @@ class Runner:
             if spawn:
                 self._threads += 1
             else:
-                self._cv.notify()
+                self._cv.notify_all()   # (close() may wait on the same condition)
         if spawn:
             threading.Thread(target=self._serve, name=self.name, daemon=True).start()
 
     def _serve(self) -> None:
+        _local.serving = self
         while True:
             with self._lock:
                 while not self._jobs:
                     if self._closed:
                         self._threads -= 1
+                        self._cv.notify_all()   # close() may wait for the last one
                         return
                     self._idle += 1
                     notified = self._cv.wait(timeout=IDLE_S)
@@ -105,11 +109,17 @@ class Runner:
             except BaseException:  # noqa: BLE001 - a user callback's error is the user's
                 log.exception("pycoll: a future callback raised")
 
-    def close(self) -> None:
-        """End the idle threads (a thread still in a callback ends when it returns)."""
+    def close(self, wait: float = CLOSE_WAIT_S) -> None:
+        """End the idle threads, and wait up to ``wait`` seconds for the ones still running
+        callbacks: a daemon thread still inside torch's C++ (settling a future) when the
+        interpreter exits is stopped by an unwind that C++ turns into std::terminate."""
+        mine = getattr(_local, "serving", None) is self
+        deadline = time.monotonic() + wait
         with self._lock:
             self._closed = True
             self._cv.notify_all()
+            while self._threads > (1 if mine else 0) and time.monotonic() < deadline:
+                self._cv.wait(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def deliver(fn: Callable, *args) -> None:

@@ -91,6 +91,28 @@ def test_closed_runner_threads_end():
         time.sleep(0.01)
 
 
+def test_close_waits_for_a_callback_still_running():
+    """A daemon thread still settling a future when the interpreter exits is unwound
+    inside torch's C++ (std::terminate): closing the group waits for it, boundedly."""
+    runner = callbacks.Runner("pycoll-test-closing-busy")
+    ended = threading.Event()
+
+    def slow():
+        time.sleep(0.3)
+        ended.set()
+
+    _on_internal(runner, lambda: callbacks.deliver(slow))
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    runner.close()
+    assert ended.is_set() and time.monotonic() - t0 < 2
+    runner = callbacks.Runner("pycoll-test-closing-stuck")
+    _on_internal(runner, lambda: callbacks.deliver(time.sleep, 3))
+    t0 = time.monotonic()
+    runner.close(wait=0.2)      # a callback that does not end does not hold the close for ever
+    assert time.monotonic() - t0 < 1
+
+
 # -- collectives inside future callbacks --------------------------------------------------
 def _collective_in_callback(rank, world):
     t = torch.full((1000,), float(rank + 1))

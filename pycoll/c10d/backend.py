@@ -17,7 +17,9 @@ import torch.distributed as dist
 
 from pycoll import observe, rendezvous
 from pycoll.c10d import cpu, p2p, plans, shrink
+from pycoll.c10d.checks import no_write_back
 from pycoll.c10d.lookups import DeviceLookups
+from pycoll.core.collectives import all_reduce_task
 from pycoll.core.communicator import Communicator
 from pycoll.core.work import Work, completed
 from pycoll.cuda import channel_for
@@ -73,7 +75,14 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
 
     # -- collectives --------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
-        return self._call(plans.allreduce, opts or dist.AllreduceOptions(), tensors)
+        opts = opts or dist.AllreduceOptions()
+        plan = plans.allreduce(self._rank, self._size, tensors, opts)
+        if plan.op == "all_reduce" and plan.finish is no_write_back and plan.device.type == "cpu":
+            # The latency path (every small all_reduce, every DDP bucket): the task straight
+            # to the communicator, without the generic channel's frames.
+            return self._comm.submit("all_reduce", plan.outputs, all_reduce_task(self._comm, *plan.args),
+                                     not opts.asyncOp, _op_timeout(opts))
+        return self._dispatch(plan, plans.allreduce, opts, (tensors,))
 
     def allreduce_coalesced(self, tensors, opts=None):
         return self._call(plans.allreduce_coalesced, opts or dist.AllreduceCoalescedOptions(), tensors)
@@ -180,6 +189,9 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
         """Plan the call, then run it where its tensors live."""
         plan = builder(self._rank, self._size, *args) if opts is None else \
             builder(self._rank, self._size, *args, opts)
+        return self._dispatch(plan, builder, opts, args)
+
+    def _dispatch(self, plan: plans.Plan, builder, opts, args) -> Work:
         if plan.device.type == "cpu":
             return self._run_cpu(plan, opts)
         return self._cuda_channel().run(plan, lambda *host: self._call(builder, opts, *host), args)

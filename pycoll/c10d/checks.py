@@ -34,6 +34,14 @@ def check_tensor(t, what: str) -> torch.Tensor:
     return t
 
 
+def plain_cpu(t) -> bool:
+    """The latency path's whole check in one call: a dense CPU tensor of a supported dtype
+    whose memory holds its values as they read (contiguous, no lazy neg/conj bit). Anything
+    else goes through the checks below, which say what is wrong."""
+    return (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu and t.dtype in SUPPORTED_DTYPES
+            and t.is_contiguous() and not (t.is_neg() or t.is_conj()))
+
+
 def check_tensors(ts, what: str, exactly: int | None = None) -> list[torch.Tensor]:
     ts = list(ts)
     if exactly is not None and len(ts) != exactly:

@@ -173,21 +173,22 @@ def check_watch() -> float | None:
     return WATCH_SLICE_S
 
 
-def get(store, key: str) -> str:
-    """``store.get(key)``, asking the watch (if any) while the key is not there yet."""
-    if check_watch() is not None:
-        from datetime import timedelta
+def get(store, key: str, deadline: float | None = None) -> str:
+    """``store.get(key)`` waiting until ``deadline`` (default: the store's own timeout), and
+    asking the watch (if any) every ``WATCH_SLICE_S`` while the key is not there yet."""
+    from datetime import timedelta
 
+    if deadline is None:
         deadline = time.monotonic() + store.timeout.total_seconds()   # as store.get would wait
-        while True:
-            try:
-                store.wait([key], timedelta(seconds=WATCH_SLICE_S))
-                break
-            except Exception as exc:  # noqa: BLE001 - torch's store errors have no common type
-                if "timeout" not in str(exc).lower() or time.monotonic() > deadline:
-                    raise
-            check_watch()
-    return store.get(key).decode()
+    while True:
+        left = deadline - time.monotonic()
+        slice_s = check_watch() or left
+        try:
+            store.wait([key], timedelta(seconds=max(0.001, min(left, slice_s))))
+            return store.get(key).decode()
+        except Exception as exc:  # noqa: BLE001 - torch's store errors have no common type
+            if left <= slice_s or "timeout" not in str(exc).lower():
+                raise
 
 
 def interface_address(ifname: str) -> str:

@@ -149,7 +149,7 @@ def shrink_group(pg, excluded: list[int], flags: int, build):
     backend_name, store = world.pg_map[pg]
     new = build()
     remaining = [g for i, g in enumerate(old_global) if i not in set(excluded)]
-    name = f"{world.pg_names.get(pg, 'pycoll')}:shrunk:{getattr(pg, '_shrinks', 1)}"
+    name = f"{world.pg_names.get(pg, 'pycoll')}:shrunk:{pg._shrinks}"
     new._set_group_name(name)
     dist.destroy_process_group(pg)
     if is_default:

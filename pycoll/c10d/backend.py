@@ -37,6 +37,7 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
         self._comm = Communicator(store, rank, size, timeout.total_seconds(), observers=observe.for_group(rank))
         self._cuda = None              # the CUDA channel, made at the first call with CUDA tensors
         self._monitored_calls = 0
+        self._shrinks = 0              # shrinks attempted: each attempt's keys are its own
 
     @property
     def communicator(self) -> Communicator:

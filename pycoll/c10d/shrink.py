@@ -21,6 +21,8 @@ hosts it (docs/faults.md, "Surviving a failure").
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from pycoll import rendezvous
 from pycoll.c10d.lookups import Options
 from pycoll.errors import PeerClosedError, PycollError
@@ -47,14 +49,14 @@ def shrink(pg, excluded, flags: int = 0, opts=None):
     stay = remaining_ranks(pg.size(), excluded)
     if pg.rank() not in stay:
         raise RuntimeError(f"shrink: rank {pg.rank()} is excluded, so it must not call shrink")
-    pg._shrinks = getattr(pg, "_shrinks", 0) + 1
+    pg._shrinks += 1
     if flags & SHRINK_ABORT:
         # Fail what is queued and running, but keep the point-to-point connections: they
         # tell the shrink's watch which of the remaining ranks are still alive.
         pg.communicator.fail(PycollError("aborted by shrink_group"))
     timeout = opts._timeout if isinstance(opts, Options) else pg._timeout
     gone = "-".join(str(r) for r in range(pg.size()) if r not in stay)
-    store = _prefix(f"pycoll/shrink/{pg._shrinks}/{gone}/", pg._store)
+    store = dist.PrefixStore(f"pycoll/shrink/{pg._shrinks}/{gone}/", pg._store)
     try:
         with rendezvous.watched(lambda: _check_alive(pg, stay)):
             return type(pg)(store, stay.index(pg.rank()), len(stay), timeout)
@@ -72,9 +74,3 @@ def _check_alive(pg, stay: list[int]) -> None:
             raise PeerClosedError(f"shrink: rank {old} (new rank {new}) died during the shrink: its "
                                   f"connection to rank {pg.rank()} {dead[old]}", op="shrink",
                                   rank=pg.rank(), peer=old)
-
-
-def _prefix(prefix: str, store):
-    import torch.distributed as dist
-
-    return dist.PrefixStore(prefix, store)

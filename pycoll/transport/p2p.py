@@ -66,6 +66,7 @@ class P2PEngine:
         self.max_unexpected = MAX_UNEXPECTED_BYTES
         self._dead: dict[int, str] = {}
         self._left: set[int] = set()         # peers that said BYE: gone, but not dead
+        self._what = {p: f"point-to-point with rank {p}" for p in socks}   # error labels
         self._finished: list[Request] = []   # finished under the lock, on_done not yet called
         self._broken: BaseException | None = None  # the progress thread died of it
         self._closed = False
@@ -284,7 +285,7 @@ class P2PEngine:
         while True:
             inc = self._reading.get(p)
             if inc is None:
-                what = f"point-to-point with rank {p}"
+                what = self._what[p]
                 nxt = next_frame(conn, self.rank, p, what)
                 if nxt is not None:
                     if nxt.header.kind == DATA:
@@ -342,15 +343,12 @@ class P2PEngine:
                 # Drain the payload, then fail only this request: the stream stays usable.
                 self._finish(req, size_error(self.rank, req, p, hdr))
                 if hdr.nbytes > self.max_unexpected:
-                    raise self._too_big(p, hdr)
+                    raise too_big(self.rank, p, hdr, self._unexpected_bytes, self.max_unexpected)
                 return Incoming(None, hdr, Discard(hdr.nbytes), discard=True)
         if hdr.nbytes > self.max_unexpected - self._unexpected_bytes:
-            raise self._too_big(p, hdr)
+            raise too_big(self.rank, p, hdr, self._unexpected_bytes, self.max_unexpected)
         self._unexpected_bytes += hdr.nbytes
         return Incoming(None, hdr, memoryview(bytearray(hdr.nbytes)))
-
-    def _too_big(self, p: int, hdr: Header) -> ProtocolError:
-        return too_big(self.rank, p, hdr, self._unexpected_bytes, self.max_unexpected)
 
     def _complete_recv(self, req: Request, src: int, hdr: Header, data: memoryview) -> None:
         if hdr.nbytes != len(req.buf) or hdr.sig.dtype != req.sig.dtype:

@@ -131,21 +131,17 @@ class FailureHandling:
         except OSError:
             conn.eof = True
         peer = conn.peer
-        try:
-            for f in frames(conn.rbuf, conn.rpos, conn.rend):
-                if f.header.kind == DATA:
-                    continue
-                if f.header.kind == BYE:
-                    conn.bye = True
-                    return
-                reason = control_reason(conn.rbuf, f, conn.rend, conn.eof)
-                if reason is None:
-                    break
-                raise control_error(f.header, reason, self._rank_of(self.rank), self._rank_of(peer), what)
+        try:   # the first control frame read ahead, past the data frames before it
+            ctrl = next((f for f in frames(conn.rbuf, conn.rpos, conn.rend) if f.header.kind != DATA), None)
         except ProtocolError as exc:
-            if isinstance(exc, CommError) and exc.peer >= 0:
-                raise
             raise garbage(self._rank_of(self.rank), self._rank_of(peer), what, exc) from None
+        if ctrl is not None:
+            if ctrl.header.kind == BYE:
+                conn.bye = True
+                return
+            reason = control_reason(conn.rbuf, ctrl, conn.rend, conn.eof)
+            if reason is not None:
+                raise control_error(ctrl.header, reason, self._rank_of(self.rank), self._rank_of(peer), what)
         if conn.eof and not conn.bye:
             conn.eof_at = time.monotonic()
 

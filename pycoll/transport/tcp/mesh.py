@@ -84,21 +84,14 @@ def build_mesh(store, rank: int, world: int, timeout: float, channels: int = 2
 
 
 def _peer_address(store, rank: int, peer: int, deadline: float) -> tuple[str, int]:
-    from datetime import timedelta
 
-    key = f"pycoll/addr/{peer}"
-    while True:
-        left = deadline - time.monotonic()
-        slice_s = rendezvous.check_watch() or left
-        try:
-            store.wait([key], timedelta(seconds=max(0.001, min(left, slice_s))))
-            break
-        except Exception as exc:  # noqa: BLE001 - torch raises its own store errors
-            if left <= slice_s or "timeout" not in str(exc).lower():
-                raise CommTimeoutError(f"init (address exchange): rank {rank} did not get rank {peer}'s "
-                                       f"address from the store: {exc}", op="init", rank=rank,
-                                       peer=peer) from None
-    host, port = store.get(key).decode().split("|")
+    try:
+        host, port = rendezvous.get(store, f"pycoll/addr/{peer}", deadline).split("|")
+    except PeerClosedError:
+        raise   # the watch: a peer died meanwhile
+    except Exception as exc:  # noqa: BLE001 - torch raises its own store errors
+        raise CommTimeoutError(f"init (address exchange): rank {rank} did not get rank {peer}'s "
+                               f"address from the store: {exc}", op="init", rank=rank, peer=peer) from None
     return host, int(port)
 
 

@@ -318,13 +318,11 @@ class Reducer:
         """A joined rank's stand-in for a synchronised backward: zeros for every bucket."""
         works = []
         for b, bucket in enumerate(self.buckets):
+            shadow = shadow_bucket(bucket, b == len(self.buckets) - 1)
             if self.comm_hook is None:
-                # (a shared bucket is reduced in place by its peers: zero and reduce it here too)
-                zeros = bucket.buffer.zero_() if bucket.shared else torch.zeros_like(bucket.buffer)
-                works.append(dist.all_reduce(zeros, group=self.group, async_op=True))
+                works.append(dist.all_reduce(shadow.buffer(), group=self.group, async_op=True))
             else:
-                works.append(self.comm_hook(self.comm_state,
-                                            shadow_bucket(bucket, b == len(self.buckets) - 1)))
+                works.append(self.comm_hook(self.comm_state, shadow))
         used_map = None
         if self._needs_used_map():
             used_map = torch.zeros(len(self.params), dtype=torch.int32)

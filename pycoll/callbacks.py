@@ -102,6 +102,7 @@ class Runner:
                     self._idle -= 1
                     if not notified and not self._jobs and self._threads > 1:
                         self._threads -= 1
+                        self._cv.notify_all()
                         return
                 fn, args = self._jobs.popleft()
             try:

@@ -69,8 +69,8 @@ def _rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
     import pycoll
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     group = dist.new_group(backend="pycoll", timeout=timedelta(seconds=120))
     coll, algos = cfg["collective"], cfg["algorithms"]
     times: dict[str, dict[int, list[float]]] = {a: {} for a in algos}
@@ -109,12 +109,11 @@ def _rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
 def sweep(collective: str, world: int, sizes: list[int], rounds: int, iters: int,
           warmup: int) -> dict[str, dict[int, float]]:
     """{algorithm: {bytes: median us}} measured on the TCP path."""
-    import socket
     import tempfile
 
-    with socket.socket() as s:  # a free port for the store; the OS picks
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The store lives here, on a port the OS picks (no window for another process to take it).
+    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    port = store.port
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ["PYCOLL_TRANSPORT"] = "tcp"
     os.environ.pop("PYCOLL_ALGO", None)  # set_algorithm decides, per group
@@ -124,6 +123,7 @@ def sweep(collective: str, world: int, sizes: list[int], rounds: int, iters: int
         out = os.path.join(tmp, "times.json")
         mp.start_processes(_rank, args=(world, port, cfg, out), nprocs=world, join=True,
                            start_method="spawn")
+        del store
         return {a: {int(n): t for n, t in by.items()} for a, by in json.loads(Path(out).read_text()).items()}
 
 

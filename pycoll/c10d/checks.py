@@ -34,12 +34,15 @@ def check_tensor(t, what: str) -> torch.Tensor:
     return t
 
 
+def _dense_cpu(t) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu and t.dtype in SUPPORTED_DTYPES
+
+
 def plain_cpu(t) -> bool:
-    """The latency path's whole check in one call: a dense CPU tensor of a supported dtype
-    whose memory holds its values as they read (contiguous, no lazy neg/conj bit). Anything
-    else goes through the checks below, which say what is wrong."""
-    return (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu and t.dtype in SUPPORTED_DTYPES
-            and t.is_contiguous() and not (t.is_neg() or t.is_conj()))
+    """The latency path's whole check: a dense CPU tensor of a supported dtype whose memory
+    holds its values as they read (``_plain``). Anything else goes through the checks below,
+    which say what is wrong."""
+    return _dense_cpu(t) and _plain(t)
 
 
 def check_tensors(ts, what: str, exactly: int | None = None) -> list[torch.Tensor]:
@@ -47,9 +50,7 @@ def check_tensors(ts, what: str, exactly: int | None = None) -> list[torch.Tenso
     if exactly is not None and len(ts) != exactly:
         raise ValueError(f"{what}: expected {exactly} tensor(s) per call, got {len(ts)}")
     if exactly == 1:    # the latency path: one tensor, checked inline
-        t = ts[0]
-        if (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu
-                and t.dtype in SUPPORTED_DTYPES):
+        if _dense_cpu(ts[0]):
             return ts
     return [check_tensor(t, what) for t in ts]
 

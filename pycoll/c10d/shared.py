@@ -60,7 +60,7 @@ def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None) -> torch
     comm = backend.communicator
     if comm.mode != "shm":
         return torch.empty(shape, dtype=dtype)
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if comm.heap is None:
         arena = comm.arena
         comm.heap = SharedHeap(backend.get_group_store(), "pycoll/heap", arena.me, arena.size, comm.timeout)

@@ -57,7 +57,8 @@ def _run_ranks(world: int, steps: int, rounds: int) -> dict | None:
     for p in procs:
         p.start()
     results: dict = {}
-    deadline = time.monotonic() + 180
+    # Generous for this machine's 400 steps and 7 rounds (about 5 s), and growing with them.
+    deadline = time.monotonic() + 120 + 0.2 * steps * world + 10 * rounds
     try:
         while len(results) < world:
             if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):

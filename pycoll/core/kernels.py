@@ -43,7 +43,7 @@ def numpy_at(t: torch.Tensor) -> np.ndarray:
     key = (t.data_ptr(), t.numel(), t.dtype)
     view = _VIEWS.get(key)
     if view is None:
-        np_dtype = _REAL_NP_DTYPES.get(t.dtype)
+        np_dtype = NP_DTYPES.get(t.dtype)
         if np_dtype is None or not key[1]:
             return t.numpy()
         if len(_VIEWS) >= _VIEWS_MAX:
@@ -53,8 +53,8 @@ def numpy_at(t: torch.Tensor) -> np.ndarray:
     return view
 
 
-_REAL_NP_DTYPES = {dt: torch.empty(0, dtype=dt).numpy().dtype for dt in NUMPY_LOOPS | {torch.float16}}
-NUMPY_VIEWABLE = frozenset(_REAL_NP_DTYPES)   # the dtypes numpy_at views by address
+NP_DTYPES = {dt: torch.empty(0, dtype=dt).numpy().dtype for dt in NUMPY_LOOPS | {torch.float16}}
+NUMPY_VIEWABLE = frozenset(NP_DTYPES)   # the dtypes numpy_at views by address
 
 
 def as_numpy(t: torch.Tensor) -> np.ndarray:

@@ -33,6 +33,7 @@ import torch
 from pycoll import wire
 from pycoll.algorithms.schedule import chunks
 from pycoll.core import shm_algorithms as shm
+from pycoll.core import kernels
 from pycoll.core.kernels import copy
 from pycoll.core.reductions import Reduction
 from pycoll.core.shm_rounds import ONE_SHOT_BYTES, Barriers, describe_words, signature
@@ -43,9 +44,6 @@ from pycoll.transport.shm.registered import SharedHeap
 PIECE_BYTES = 256 << 10     # a piece's P inputs stay in the caches (measured: docs/shm.md)
 ALLOC_ROOT = -2             # the root word that marks an allocation's barrier signature
 _ALL_REDUCE, _BARRIER = wire.OP_WORD["all_reduce"], wire.OP_WORD["barrier"]
-_NP_DTYPES = {torch.bool: np.bool_, torch.uint8: np.uint8, torch.int8: np.int8, torch.int16: np.int16,
-              torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32,
-              torch.float64: np.float64, torch.float16: np.float16}
 
 
 def describe(words: tuple[int, ...]) -> str:
@@ -101,9 +99,9 @@ def _reduce_slice(L: int, me: int, heap: SharedHeap, block, t: torch.Tensor, red
     if L == 1:
         red.finish(t)
         return
-    numpy = red.numpy_loops and dt in _NP_DTYPES
+    numpy = red.numpy_loops   # (its dtypes all have a numpy twin: kernels.NP_DTYPES)
     if numpy:
-        bufs = heap.numpy_views(block, nbytes, np.dtype(_NP_DTYPES[dt]))
+        bufs = heap.numpy_views(block, nbytes, kernels.NP_DTYPES[dt])
         combine, put = red.np_combine, np.copyto
     else:
         bufs = heap.tensor_views(block, nbytes, dt)

@@ -109,7 +109,7 @@ class Tuner:
         if name is not None:
             return name
         key = (collective, world or self.world)
-        table = self._tables.get(key)
+        table = self._tables.get(key)   # table()'s lookup, inline: this runs on every op
         if table is None:
             table = self._tables[key] = self._build(*key)
         bounds, names = table

@@ -90,13 +90,19 @@ class SharedHeap:
         self._lock = threading.RLock()
 
     # -- allocation ----------------------------------------------------------------------
+    def _open_chunk(self):
+        return self.chunks[-1] if self.chunks and self.chunks[-1].open else None
+
+    def _fitting(self, n: int):
+        """The chunk ``n`` rounded bytes go into, None for a new one: the one placement rule,
+        which ``next_offset`` predicts and ``alloc`` follows."""
+        cur = self._open_chunk()
+        return cur if cur is not None and cur.used + n <= cur.length else None
+
     def next_offset(self, nbytes: int) -> int:
         """The global offset ``alloc(nbytes)`` will return (every rank must agree on it)."""
-        n = _round(nbytes)
-        cur = self.chunks[-1] if self.chunks and self.chunks[-1].open else None
-        if cur is not None and cur.used + n <= cur.length:
-            return cur.start + cur.used
-        return self.top
+        cur = self._fitting(_round(nbytes))
+        return cur.start + cur.used if cur is not None else self.top
 
     def alloc(self, nbytes: int, deadline: float) -> tuple[Block, np.ndarray]:
         """A block of ``nbytes`` (> 0) and this rank's copy of it as a numpy uint8 array.
@@ -107,11 +113,12 @@ class SharedHeap:
             raise RuntimeError("pycoll.empty_shared: the group's shared heap is closed")
         n = _round(nbytes)
         with self._lock:
-            cur = self.chunks[-1] if self.chunks and self.chunks[-1].open else None
-            if cur is None or cur.used + n > cur.length:
-                if cur is not None:
-                    cur.open = False
-                    self._maybe_drop(cur)
+            cur = self._fitting(n)
+            if cur is None:
+                full = self._open_chunk()
+                if full is not None:
+                    full.open = False
+                    self._maybe_drop(full)
                 cur = self._new_chunk(max(self.chunk_bytes, n), deadline)
             off = cur.used
             cur.used += n

@@ -40,7 +40,7 @@ def map_segment(store, key: str, local_rank: int, size: int, total: int, deadlin
         finally:
             os.close(fd)
         return mm, os.getpid()
-    path = rendezvous.get(store, f"{key}/name")
+    path = rendezvous.get(store, f"{key}/name", deadline)
     creator = int(path.split("/")[2])
     try:
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)

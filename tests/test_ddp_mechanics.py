@@ -233,12 +233,13 @@ def _rewrap_hooks(rank, world):
     for _ in range(3):
         model = DDP(module)
         model(torch.randn(2, 4)).sum().backward()
+        alive = len(module.weight._post_accumulate_grad_hooks or {})
         del model
         gc.collect()
-        counts.append(len(module.weight._post_accumulate_grad_hooks or {}))
+        counts.append((alive, len(module.weight._post_accumulate_grad_hooks or {})))
     return counts
 
 
 def test_a_dropped_wrapper_takes_its_hooks_off_the_parameters():
     """Re-wrapping a module (after a shrink, say) must not pile up hooks of dead reducers."""
-    assert run_ranks(_rewrap_hooks, 2, backend="pycoll") == [[0, 0, 0]] * 2
+    assert run_ranks(_rewrap_hooks, 2, backend="pycoll") == [[(1, 0)] * 3] * 2

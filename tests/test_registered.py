@@ -366,5 +366,5 @@ def test_kill9_inside_a_registered_all_reduce():
     res = run_ranks(_die_in_registered, 2, 1, backend="pycoll", may_die=(1,))
     assert res[1] == "died"
     elapsed, text, fds = res[0]
-    assert elapsed < 3.0 and "rank 1" in text, res
+    assert elapsed < 10 and "rank 1" in text, res
     assert fds <= 1, res    # the mmap's own descriptor of its one chunk, nothing of the dead rank's

@@ -280,19 +280,30 @@ def check_exchange_after_close(maker) -> None:
 @contextlib.contextmanager
 def no_leaks():
     """Fail if the block leaves threads, descriptors or arena mappings behind."""
-    def count():
+    def state():
         gc.collect()
         with open("/proc/self/maps") as f:
             maps = sum("pycoll-arena" in line for line in f)
-        return threading.active_count(), len(os.listdir("/proc/self/fd")), maps
+        fds = set()
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                fds.add(os.readlink(f"/proc/self/fd/{fd}"))
+            except OSError:
+                pass    # the descriptor listdir itself used
+        return {t.ident for t in threading.enumerate()}, fds, maps
 
-    before = count()
+    def left(before, now):
+        """What the block added and still holds (things that were there before may go:
+        an earlier test's idle threads end on their own)."""
+        return now[0] - before[0], now[1] - before[1], max(0, now[2] - before[2])
+
+    before = state()
     yield
     end = time.monotonic() + 5   # threads of a finished check may take a moment to exit
-    while count() != before and time.monotonic() < end:
+    while any(left(before, state())) and time.monotonic() < end:
         time.sleep(0.05)
-    after = count()
-    assert after == before, f"(threads, fds, arena mappings) before {before}, after {after}"
+    threads, fds, maps = left(before, state())
+    assert not (threads or fds or maps), f"left behind: threads {threads}, fds {fds}, arena mappings {maps}"
 
 
 # -- makers ------------------------------------------------------------------------------

@@ -142,6 +142,13 @@ def worker(args) -> None:
         with open(os.path.join(args.out, f"result-{args.mode}.json"), "w") as f:
             json.dump(result, f)
     dist.destroy_process_group()
+    # The ranks end here, skipping the interpreter's teardown: 2 of about 30 full-suite runs
+    # saw a rank of this tool abort at exit ("terminate called without an active exception",
+    # after its results were written and its group destroyed, no Python thread left); the
+    # C++ object behind it is not found yet (docs/faults.md, known limits).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- the launcher ------------------------------------------------------------------------------

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from pycoll import observe, rendezvous
 from pycoll.c10d import cpu, p2p, plans, shrink
-from pycoll.c10d.checks import no_write_back
 from pycoll.c10d.lookups import DeviceLookups
 from pycoll.core.collectives import all_reduce_task
 from pycoll.core.communicator import Communicator
@@ -77,12 +76,12 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
     # -- collectives --------------------------------------------------------------------
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
-        plan = plans.allreduce(self._rank, self._size, tensors, opts)
-        if plan.op == "all_reduce" and plan.finish is no_write_back and plan.device.type == "cpu":
-            # The latency path (every small all_reduce, every DDP bucket): the task straight
-            # to the communicator, without the generic channel's frames.
-            return self._comm.submit("all_reduce", plan.outputs, all_reduce_task(self._comm, *plan.args),
+        fast = plans.latency_allreduce(self._size, tensors, opts)
+        if fast is not None:
+            # The task straight to the communicator, without the generic channel's frames.
+            return self._comm.submit("all_reduce", [tensors[0]], all_reduce_task(self._comm, *fast),
                                      not opts.asyncOp, _op_timeout(opts))
+        plan = plans.allreduce(self._rank, self._size, tensors, opts)
         return self._dispatch(plan, plans.allreduce, opts, (tensors,))
 
     def allreduce_coalesced(self, tensors, opts=None):

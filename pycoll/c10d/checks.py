@@ -42,7 +42,9 @@ def plain_cpu(t) -> bool:
     """The latency path's whole check: a dense CPU tensor of a supported dtype whose memory
     holds its values as they read (``_plain``). Anything else goes through the checks below,
     which say what is wrong."""
-    return _dense_cpu(t) and _plain(t)
+    # _dense_cpu and _plain spelled out: this runs once per small op.
+    return (isinstance(t, torch.Tensor) and t.layout is _STRIDED and t.is_cpu and t.dtype in SUPPORTED_DTYPES
+            and t.is_contiguous() and not (t.is_neg() or t.is_conj()))
 
 
 def check_tensors(ts, what: str, exactly: int | None = None) -> list[torch.Tensor]:

@@ -42,7 +42,10 @@ def monitored_barrier(pg, tag: int, timeout, wait_all_ranks: bool):
     missing, passed = [], []
     for p, req in reqs.items():
         left = deadline - time.monotonic()
-        if left < 0 and not wait_all_ranks and not req.done.is_set():
+        # The engine may already have failed a receive whose deadline passed: that is the
+        # same time-out, not a rank that failed, so gloo's wording holds either way.
+        arrived = req.done.is_set() and req.error is None
+        if left <= 0 and not wait_all_ranks and not arrived:
             done = ", ".join(map(str, passed))
             raise PycollError(f"Rank 0 timed out in monitoredBarrier after {ms} ms.\n"
                               + (f"Successfully processed ranks: {done}" if passed

@@ -1,7 +1,13 @@
-"""Registered (``pycoll.empty_shared``) against staged shared-memory all_reduce, one run.
+"""Registered (``pycoll.empty_shared``) against staged shared-memory collectives, one run.
 
     python tools/bench_registered.py [--world-size 2] [--sizes 1M,2M,4M,8M,16M,32M,64M]
         [--iters 40] [--chunk 5] [--dtype float32] [--ref-seconds 0.5]
+        [--collective all_reduce|all_gather|reduce_scatter]
+
+all_gather is ``all_gather_into_tensor`` in place (the input is the rank's block of the
+output, as FSDP2 calls it) and reduce_scatter is ``reduce_scatter_tensor``; the size is
+the larger buffer (the gathered output, the scattered input), and their busbw is algbw x
+(P-1)/P, as nccl-tests.
 
 ``world_size`` ranks on one host (a pycoll group over shared memory, one torch thread each,
 as under torchrun). For each size, every rank holds a registered tensor and an ordinary
@@ -43,21 +49,19 @@ def _rank(rank: int, world: int, port: int, opts: dict, queue) -> None:
         out = {}
         for nbytes in opts["sizes"]:
             n = nbytes // item
+            n -= n % world
             bufs = {"registered": pycoll.empty_shared(n, dtype=dtype), "staged": torch.empty(n, dtype=dtype)}
-            wrong = {}
+            run, wrong = _collective(opts["collective"], rank, world, n, dtype), {}
             for name, t in bufs.items():
-                t.fill_(rank + 1)
-                dist.all_reduce(t)
-                wrong[name] = int((t != world * (world + 1) / 2).sum())
-                t.zero_()        # repeated sums stay at zero: no overflow, no denormals
+                wrong[name] = run(t, check=True)
             times = {name: [] for name in bufs}
             for name, t in bufs.items():      # warm-up
-                dist.all_reduce(t)
+                run(t)
             while min(len(v) for v in times.values()) < opts["iters"]:
                 for name, t in bufs.items():
                     for _ in range(opts["chunk"]):
                         t0 = time.perf_counter()
-                        dist.all_reduce(t)
+                        run(t)
                         times[name].append(time.perf_counter() - t0)
             out[nbytes] = {"times": times, "wrong": wrong}
             del bufs
@@ -66,6 +70,45 @@ def _rank(rank: int, world: int, port: int, opts: dict, queue) -> None:
     except BaseException as e:  # noqa: BLE001
         import traceback
         queue.put((rank, "err", f"{e}\n{traceback.format_exc()}"))
+
+
+def _collective(name: str, rank: int, world: int, n: int, dtype):
+    """``run(t, check=False)``: one op on buffer ``t`` (n elements); with check, the number
+    of wrong elements (then zeros, so repeated sums cannot overflow)."""
+    m = n // world
+    small = torch.empty(m, dtype=dtype)
+    # torch 2.13 names them *_single and warns on the old names; older torch has only those.
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+    def all_reduce(t, check=False):
+        if check:
+            t.fill_(rank + 1)
+        dist.all_reduce(t)
+        if check:
+            bad = int((t != world * (world + 1) / 2).sum())
+            t.zero_()
+            return bad
+
+    def all_gather(t, check=False):
+        mine = t[rank * m:(rank + 1) * m]
+        if check:
+            mine.fill_(rank + 1)
+        gather(t, mine)
+        if check:
+            want = torch.arange(1, world + 1, dtype=dtype).repeat_interleave(m)
+            return int((t != want).sum())
+
+    def reduce_scatter(t, check=False):
+        if check:
+            t.fill_(rank + 1)
+        scatter(small, t)
+        if check:
+            bad = int((small != world * (world + 1) / 2).sum())
+            t.zero_()
+            return bad
+
+    return {"all_reduce": all_reduce, "all_gather": all_gather, "reduce_scatter": reduce_scatter}[name]
 
 
 def _size(text: str) -> int:
@@ -81,12 +124,13 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=5)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--ref-seconds", type=float, default=0.5)
+    p.add_argument("--collective", default="all_reduce", choices=("all_reduce", "all_gather", "reduce_scatter"))
     a = p.parse_args(argv)
     from pycoll.cli.bench import ref
 
     world = a.world_size
     opts = {"sizes": [_size(s) for s in a.sizes.split(",") if s], "iters": a.iters, "chunk": a.chunk,
-            "dtype": a.dtype}
+            "dtype": a.dtype, "collective": a.collective}
     before = ref.memcpy_per_rank(a.ref_seconds, world) / 1e9 if a.ref_seconds > 0 else 0.0
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
@@ -106,9 +150,10 @@ def main(argv=None) -> int:
         proc.join(10)
     after = ref.memcpy_per_rank(a.ref_seconds, world) / 1e9 if a.ref_seconds > 0 else 0.0
     copy_rate = max(before, after)
-    bound = ref.all_reduce_bound(copy_rate * 1e9, world) / 1e9 if copy_rate else float("nan")
-    factor = 2 * (world - 1) / world
-    print(f"# all_reduce world {world} {a.dtype} op sum, {a.iters} ops each, chunks of {a.chunk} alternating; "
+    factor = (2 if a.collective == "all_reduce" else 1) * (world - 1) / world
+    # One copy of the larger buffer at the per-rank copy rate, as ref.all_reduce_bound.
+    bound = copy_rate * factor if copy_rate and world > 1 else float("nan")
+    print(f"# {a.collective} world {world} {a.dtype} op sum, {a.iters} ops each, chunks of {a.chunk} alternating; "
           f"median of the slowest rank's time per op")
     print(f"# one-host bound: {copy_rate:.2f} GB/s copied by each of {world} one-thread processes at once "
           f"(before {before:.2f}, after {after:.2f}) -> busbw bound {bound:.2f} GB/s")

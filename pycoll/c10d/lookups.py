@@ -3,11 +3,12 @@
 torch finds a group's backend per device (``pg._get_backend(device)``) and asks it what it
 supports: DCP's async save wants a CPU backend, the full-state-dict broadcast into FSDP2
 takes ``pg._device_types[0]``, ``split_group`` and ``shrink_group`` ask ``supports_splitting``
-and ``supports_shrinking``. A C++ ``Backend`` cannot be made from Python ("No constructor
-defined"), and torch uses a ProcessGroup subclass as the group itself, so a pycoll group is
-its own backend for every device it serves. ``DeviceLookups`` is a base class of
-``backend.ProcessGroupPycoll``; it uses the group's ``_rank``, ``_size``, ``_timeout``,
-``_store`` and ``_comm``.
+and ``supports_shrinking``, and FSDP2 asks ``supports_tensor_alloc`` before it allocates its
+communication buffers with ``allocate_tensor`` (registered memory: ``c10d.shared``). A
+C++ ``Backend`` cannot be made from Python ("No constructor defined"), and torch uses a
+ProcessGroup subclass as the group itself, so a pycoll group is its own backend for every
+device it serves. ``DeviceLookups`` is a base class of ``backend.ProcessGroupPycoll``; it
+uses the group's ``_rank``, ``_size``, ``_timeout``, ``_store`` and ``_comm``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from pycoll.c10d import shared
 from pycoll.cuda.paths import backend_devices
 
 
@@ -49,6 +51,19 @@ class DeviceLookups:
     @property
     def options(self) -> Options:
         return Options(self._timeout)
+
+    def supports_tensor_alloc(self, device) -> bool:
+        """Whether ``allocate_tensor`` gives registered memory for ``device`` (FSDP2 asks this
+        under ``set_allocate_memory_from_process_group_for_comm(True)``)."""
+        return torch.device(device).type == "cpu" and shared.can_share_memory(self)
+
+    def allocate_tensor(self, size: int, *, dtype: torch.dtype, device) -> torch.Tensor:
+        """A flat tensor of ``size`` elements in the group's shared heap: a collective, as
+        ``pycoll.empty_shared`` (FSDP2 allocates its all_gather output and reduce_scatter
+        input with it on every rank in the same order)."""
+        if not self.supports_tensor_alloc(device):
+            raise RuntimeError(f"pycoll: allocate_tensor on {device} needs a one-host group on shared memory")
+        return shared.empty_shared((int(size),), dtype, group=self)
 
     def get_group_store(self):
         return self._store

@@ -126,6 +126,9 @@ def reduce(comm, t: torch.Tensor, root: int, red: Reduction, seq: int, deadline:
 
 
 def all_gather(comm, out: torch.Tensor, inp: torch.Tensor, seq: int, deadline: float) -> None:
+    if comm.mode == "shm" and comm.heap is not None and registered.wants_lookup(inp):
+        registered.all_gather(comm.arena, comm.heap, out, inp, seq, deadline)
+        return
     if comm.mode == "shm":
         words = signature("all_gather", seq, inp.dtype, inp.numel())
         shm.all_gather(comm.arena, out, inp, -1, words, deadline, _what("all_gather", seq))
@@ -159,9 +162,11 @@ def reduce_scatter(comm, out: torch.Tensor, inp: torch.Tensor, counts: tuple[int
     if red.factor is not None:
         inp = inp.clone()
         red.prepare(inp)
-    if comm.mode == "shm":
+    if comm.mode == "shm" and comm.heap is not None and registered.wants_lookup(inp):
+        registered.reduce_scatter(comm.arena, comm.heap, out, inp, counts, red, seq, deadline)
+    elif comm.mode == "shm":
         words = signature("reduce_scatter", seq, inp.dtype, inp.numel(), red.name,
-                              extra=counts_hash(counts))
+                          extra=counts_hash(counts))
         shm.reduce_scatter(comm.arena, out, inp, counts, red, words, deadline, _what("reduce_scatter", seq))
     else:
         sig = Signature("reduce_scatter", seq, dtype_name(inp.dtype), inp.numel(), red.name)

@@ -21,6 +21,14 @@ at another offset) is a ``MismatchError`` on every rank at the first barrier, be
 anybody writes into a peer's memory. Only all_reduces over ``ONE_SHOT_BYTES`` look: below,
 the one-round staged form (one barrier) is faster and never writes into peers' memory.
 
+all_gather and reduce_scatter work the same way on the tensor that every rank's peers must
+reach: all_gather_into_tensor's output (rank r writes its input into block r of every
+rank's output: n bytes written a rank, against 2n staged) and reduce_scatter_tensor's input
+(rank r reduces block r of every rank's input into its own output: n bytes read). The
+extra word says where that tensor lies (all_gather: offset + 1; reduce_scatter: -(offset + 1),
+as its unregistered form puts a non-negative hash of the counts there). FSDP2 allocates
+exactly these two buffers through the group (``allocate_tensor``: ``c10d.shared``).
+
 Allocation is itself a collective (``allocate``): its signature carries the size and the
 offset each rank's heap will give, so ranks whose calls differ fail there, not later.
 """
@@ -36,7 +44,7 @@ from pycoll.core import shm_algorithms as shm
 from pycoll.core import kernels
 from pycoll.core.kernels import copy
 from pycoll.core.reductions import Reduction
-from pycoll.core.shm_rounds import ONE_SHOT_BYTES, Barriers, describe_words, signature
+from pycoll.core.shm_rounds import ONE_SHOT_BYTES, Barriers, counts_hash, describe_words, signature
 from pycoll.errors import MismatchError
 from pycoll.transport.shm.arena import ShmArena
 from pycoll.transport.shm.registered import SharedHeap
@@ -44,6 +52,7 @@ from pycoll.transport.shm.registered import SharedHeap
 PIECE_BYTES = 256 << 10     # a piece's P inputs stay in the caches (measured: docs/shm.md)
 ALLOC_ROOT = -2             # the root word that marks an allocation's barrier signature
 _ALL_REDUCE, _BARRIER = wire.OP_WORD["all_reduce"], wire.OP_WORD["barrier"]
+_ALL_GATHER, _REDUCE_SCATTER = wire.OP_WORD["all_gather"], wire.OP_WORD["reduce_scatter"]
 
 
 def describe(words: tuple[int, ...]) -> str:
@@ -53,6 +62,10 @@ def describe(words: tuple[int, ...]) -> str:
     text, sig = describe_words(words), wire.unpack(words)
     if words[0] == _ALL_REDUCE and sig is not None and wire.nbytes(sig) > ONE_SHOT_BYTES:
         text += f" on registered memory at heap offset {words[6] - 1}" if words[6] > 0 \
+            else " on unregistered memory"
+    elif words[0] in (_ALL_GATHER, _REDUCE_SCATTER) and sig is not None and wire.nbytes(sig) > ONE_SHOT_BYTES:
+        where = words[6] if words[0] == _ALL_GATHER else -words[6]
+        text += f" on registered memory at heap offset {where - 1}" if where > 0 \
             else " on unregistered memory"
     return text
 
@@ -82,15 +95,7 @@ def all_reduce(arena: ShmArena, heap: SharedHeap | None, t: torch.Tensor, red: R
             raise
         red.finish(t)
         return
-    barrier = Barriers(arena, words, deadline, what)
-    arena.next_parity()    # (one round, for the observers and the hang dump)
-    try:
-        barrier()
-    except MismatchError:
-        _explained(arena, words)
-        raise
-    _reduce_slice(arena.size, arena.me, heap, block, t, red)
-    barrier()
+    _in_place(arena, words, deadline, what, lambda: _reduce_slice(arena.size, arena.me, heap, block, t, red))
 
 
 def _reduce_slice(L: int, me: int, heap: SharedHeap, block, t: torch.Tensor, red: Reduction) -> None:
@@ -125,16 +130,108 @@ def _reduce_slice(L: int, me: int, heap: SharedHeap, block, t: torch.Tensor, red
                 put(parts[q], acc)
 
 
-# -- allocation ------------------------------------------------------------------------
-def allocate(arena: ShmArena, heap: SharedHeap, nbytes: int, seq: int, deadline: float):
-    """The collective behind ``empty_shared``: every local rank allocates ``nbytes`` at the
-    same offset, or all fail. Returns (block, numpy uint8 array) or None for 0 bytes."""
-    words = signature("barrier", seq, torch.uint8, nbytes, root=ALLOC_ROOT,
-                      extra=heap.next_offset(nbytes) if nbytes else 0)
-    barrier = Barriers(arena, words, deadline, f"empty_shared seq {seq}")
+def _in_place(arena: ShmArena, words, deadline: float, what: str, work) -> None:
+    """barrier (signatures agree), ``work()`` on the peers' memory, barrier (all of it done)."""
+    barrier = Barriers(arena, words, deadline, what)
+    arena.next_parity()    # (one round, for the observers and the hang dump)
     try:
         barrier()
     except MismatchError:
         _explained(arena, words)
         raise
-    return heap.alloc(nbytes, deadline) if nbytes else None
+    work()
+    barrier()
+
+
+def all_gather(arena: ShmArena, heap: SharedHeap | None, out: torch.Tensor, inp: torch.Tensor, seq: int,
+               deadline: float) -> None:
+    """all_gather of flat ``inp`` (larger than ONE_SHOT_BYTES) into flat ``out``: written
+    straight into every rank's ``out`` when it is registered, staged when not."""
+    what = f"all_gather seq {seq}"
+    block = heap.lookup(out.data_ptr(), out.nbytes) if heap is not None else None
+    words = signature("all_gather", seq, inp.dtype, inp.numel(), extra=0 if block is None else 1 + block.global_offset)
+    if block is None:
+        try:
+            shm.all_gather(arena, out, inp, -1, words, deadline, what)
+        except MismatchError:
+            _explained(arena, words)
+            raise
+        return
+    L, me, dt, n = arena.size, arena.me, inp.dtype, inp.numel()
+    outs = heap.tensor_views(block, out.nbytes, dt)
+    # FSDP2 gathers in place (its input is block me of its output): that copy is no copy.
+    targets = [q for q in range(L) if q != me or inp.data_ptr() != out.data_ptr() + me * inp.nbytes]
+    step = max(1, PIECE_BYTES // dt.itemsize)
+
+    def push() -> None:
+        for a in range(0, n, step):   # a piece is read once and stays cached for its L copies
+            b = min(a + step, n)
+            for q in targets:
+                copy(outs[q][me * n + a:me * n + b], inp[a:b])
+
+    _in_place(arena, words, deadline, what, push)
+
+
+def reduce_scatter(arena: ShmArena, heap: SharedHeap | None, out: torch.Tensor, inp: torch.Tensor,
+                   counts: tuple[int, ...], red: Reduction, seq: int, deadline: float) -> None:
+    """reduce_scatter of flat ``inp`` (larger than ONE_SHOT_BYTES): block me of every rank's
+    ``inp`` reduced straight into ``out`` when ``inp`` is registered and the blocks are
+    equal (reduce_scatter_tensor), staged otherwise. The caller applies ``red.finish``."""
+    what = f"reduce_scatter seq {seq}"
+    equal = len(set(counts)) == 1
+    block = heap.lookup(inp.data_ptr(), inp.nbytes) if heap is not None and equal else None
+    words = signature("reduce_scatter", seq, inp.dtype, inp.numel(), red.name,
+                      extra=counts_hash(counts) if block is None else -(1 + block.global_offset))
+    if block is None:
+        try:
+            shm.reduce_scatter(arena, out, inp, counts, red, words, deadline, what)
+        except MismatchError:
+            _explained(arena, words)
+            raise
+        return
+    L, me, dt, c = arena.size, arena.me, inp.dtype, counts[0]
+    numpy = red.numpy_loops
+    if numpy:
+        bufs = heap.numpy_views(block, inp.nbytes, kernels.NP_DTYPES[dt])
+        dst, combine = kernels.numpy_at(out), red.np_combine
+    else:
+        bufs = heap.tensor_views(block, inp.nbytes, dt)
+        dst, combine = out, red.combine
+    step = max(1, PIECE_BYTES // dt.itemsize)
+
+    def pull() -> None:
+        for a in range(0, c, step):   # in rank order, as the staged form
+            b = min(a + step, c)
+            lo, hi = me * c + a, me * c + b
+            acc = dst[a:b]
+            if L == 1:
+                acc[...] = bufs[0][lo:hi]
+                continue
+            combine(bufs[0][lo:hi], bufs[1][lo:hi], acc)
+            for q in range(2, L):
+                combine(acc, bufs[q][lo:hi], acc)
+
+    _in_place(arena, words, deadline, what, pull)
+
+
+# -- allocation ------------------------------------------------------------------------
+def allocate(arena: ShmArena, heap: SharedHeap, nbytes: int, seq: int, deadline: float):
+    """The collective behind ``empty_shared``: every local rank allocates ``nbytes`` at the
+    same offset, or all fail. Returns (block, numpy uint8 array) or None for 0 bytes.
+
+    Word 7 (not compared) carries the cached block each rank proposes; it is reused only
+    when every rank proposed the same one (``transport.shm.registered``: Agreement)."""
+    words = signature("barrier", seq, torch.uint8, nbytes, root=ALLOC_ROOT,
+                      extra=heap.next_offset(nbytes) if nbytes else 0)
+    reuse = heap.reusable(nbytes) if nbytes else 0
+    barrier = Barriers(arena, words, deadline, f"empty_shared seq {seq}")
+    arena.publish(words + (reuse,), new_op=False)
+    try:
+        barrier()
+    except MismatchError:
+        _explained(arena, words)
+        raise
+    if not nbytes:
+        return None
+    agreed = reuse if all(arena.peer_word(q, 7) == reuse for q in range(arena.size)) else 0
+    return heap.alloc(nbytes, deadline, reuse=agreed)

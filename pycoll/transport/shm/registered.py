@@ -13,17 +13,27 @@ the same offset of their regions. The memory is sparse: a page costs nothing unt
 
 Agreement. Every local rank allocates the same sizes in the same order (the callers run the
 allocation as a collective, which checks that), and the allocator is deterministic: a bump
-pointer over an address space of chunk offsets that are never reused. So every rank gives
-the n-th block the same global offset, whatever order the ranks' garbage collectors free
-blocks in (a free list would let that order decide where the next block goes).
+pointer over an address space of chunk offsets that the bump never hands out twice, so
+every rank gives the n-th bumped block the same global offset. A freed block is reused only
+by agreement: each rank keeps its freed blocks in a cache by rounded size and proposes the
+lowest-offset one of the size asked for (``reusable``); the allocation takes it only when
+every rank proposed that same block, which means every rank has freed it, and bumps
+otherwise. Both choices are made from the same published words, so ranks whose garbage
+collectors free in different orders still agree; they merely bump more.
+
+Reuse is what makes per-step buffers cheap (FSDP2 allocates its all_gather outputs and
+reduce_scatter inputs every step): a cached block's pages stay resident, so it costs no
+page faults and no chunk creation. The cache holds at most ``PYCOLL_SHM_HEAP_CACHE_BYTES``
+(default 1 GiB) a rank; a block freed beyond that is released at once.
 
 Lifetime. A chunk's segment is created by local rank 0 and mapped by the others through
 ``/proc/<pid>/fd/<n>``, as the arena is (``arena.py``); rank 0 closes its descriptor once
 all have mapped it, so the memory lives exactly as long as a mapping: ``kill -9`` of any
 rank leaves nothing behind. A block is freed when the last tensor over it dies (its storage
-holds the numpy array whose finaliser frees it): its pages in this rank's region are handed
-back to the kernel (``MADV_REMOVE``), and a chunk with no live block left that no longer
-takes allocations is unmapped by this rank. ``close`` (group destroy) drops the heap's own
+holds the numpy array whose finaliser frees it): it goes into the cache, or, beyond the
+cache's bound, its pages in this rank's region are handed back to the kernel
+(``MADV_REMOVE``); a chunk with no live or cached block left that no longer takes
+allocations is unmapped by this rank. ``close`` (group destroy) empties the cache and drops the heap's own
 references; tensors still alive keep their chunk mapped until they die, and stay valid.
 """
 
@@ -43,6 +53,7 @@ from pycoll.transport.shm import segment
 
 PAGE = 4096
 DEFAULT_CHUNK_BYTES = 64 << 20
+DEFAULT_CACHE_BYTES = 1 << 30
 
 
 @dataclass(eq=False)
@@ -59,6 +70,7 @@ class Chunk:
     tensors: list = field(default_factory=list)     # the same as torch uint8 tensors (made on demand)
     used: int = 0               # bytes of each region handed out
     live: int = 0               # blocks of this rank still alive
+    cached: int = 0             # freed blocks of this rank kept for reuse
     open: bool = True           # still takes allocations
 
 
@@ -82,7 +94,11 @@ class SharedHeap:
         self.store, self.key, self.me, self.size, self.timeout = store, key, local_rank, size, timeout
         want = chunk_bytes or int(os.environ.get("PYCOLL_SHM_HEAP_BYTES", DEFAULT_CHUNK_BYTES))
         self.chunk_bytes = max(PAGE, -(-want // PAGE) * PAGE)
+        self.cache_bytes = int(os.environ.get("PYCOLL_SHM_HEAP_CACHE_BYTES", DEFAULT_CACHE_BYTES))
         self.chunks: list[Chunk] = []
+        # Freed blocks kept for reuse: rounded size -> {global offset: (chunk, offset)}.
+        self._cache: dict[int, dict[int, tuple[Chunk, int]]] = {}
+        self.cached = 0            # bytes in the cache
         self.top = 0               # global offset where the next chunk would start
         self.made = 0              # chunks created so far (their store keys' index)
         self.closed = False
@@ -104,8 +120,17 @@ class SharedHeap:
         cur = self._fitting(_round(nbytes))
         return cur.start + cur.used if cur is not None else self.top
 
-    def alloc(self, nbytes: int, deadline: float) -> tuple[Block, np.ndarray]:
-        """A block of ``nbytes`` (> 0) and this rank's copy of it as a numpy uint8 array.
+    def reusable(self, nbytes: int) -> int:
+        """The cached block this rank proposes for ``nbytes``: its global offset + 1, 0: none.
+        The lowest offset, so that ranks holding the same freed blocks propose the same."""
+        with self._lock:
+            free = self._cache.get(_round(nbytes))
+            return min(free) + 1 if free else 0
+
+    def alloc(self, nbytes: int, deadline: float, reuse: int = 0) -> tuple[Block, np.ndarray]:
+        """A block of ``nbytes`` (> 0) and this rank's copy of it as a numpy uint8 array:
+        the cached block ``reuse`` names (what ``reusable`` said, agreed by every rank), or
+        a bumped one.
 
         Collective when it needs a new chunk (local rank 0 creates it, all map it). The
         block lives as long as the array (and whatever keeps the array alive)."""
@@ -113,6 +138,10 @@ class SharedHeap:
             raise RuntimeError("pycoll.empty_shared: the group's shared heap is closed")
         n = _round(nbytes)
         with self._lock:
+            if reuse:
+                cur, off = self._take(n, reuse - 1)
+                cur.live += 1
+                return self._array(cur, off, nbytes, n)
             cur = self._fitting(n)
             if cur is None:
                 full = self._open_chunk()
@@ -123,6 +152,19 @@ class SharedHeap:
             off = cur.used
             cur.used += n
             cur.live += 1
+        return self._array(cur, off, nbytes, n)
+
+    def _take(self, n: int, global_offset: int) -> tuple[Chunk, int]:
+        free = self._cache.get(n)
+        if not free or global_offset not in free:
+            # Every rank proposed this block from its own cache; only close empties it.
+            raise RuntimeError("pycoll.empty_shared: the agreed cached block is gone (heap closed?)")
+        chunk, off = free.pop(global_offset)
+        chunk.cached -= 1
+        self.cached -= n
+        return chunk, off
+
+    def _array(self, cur: Chunk, off: int, nbytes: int, n: int) -> tuple[Block, np.ndarray]:
         arr = np.frombuffer(cur.mm, dtype=np.uint8, count=nbytes, offset=self.me * cur.length + off)
         weakref.finalize(arr, _release, weakref.ref(self), cur, off, n)
         return Block(cur, off), arr
@@ -162,7 +204,7 @@ class SharedHeap:
     # -- freeing -------------------------------------------------------------------------
     def _maybe_drop(self, chunk: Chunk) -> None:
         """Unmap ``chunk`` on this rank once it takes no allocations and holds no live block."""
-        if chunk.live or (chunk.open and not self.closed) or chunk.mm is None:
+        if chunk.live or chunk.cached or (chunk.open and not self.closed) or chunk.mm is None:
             return
         if chunk in self.chunks:
             self.chunks.remove(chunk)
@@ -177,6 +219,11 @@ class SharedHeap:
         with self._lock:
             chunk.live -= 1
             mm = chunk.mm
+            if mm is not None and not self.closed and self.cached + n <= self.cache_bytes:
+                self._cache.setdefault(n, {})[chunk.start + offset] = (chunk, offset)
+                chunk.cached += 1
+                self.cached += n
+                return
             if mm is not None and not mm.closed:
                 try:   # hand this rank's pages of the block back (its peers' are theirs)
                     mm.madvise(mmap.MADV_REMOVE, self.me * chunk.length + offset, n)
@@ -187,12 +234,18 @@ class SharedHeap:
     def live_blocks(self) -> int:
         return sum(c.live for c in self.chunks)
 
+    def cached_blocks(self) -> int:
+        return sum(c.cached for c in self.chunks)
+
     def close(self) -> None:
         """Group destroy: no more allocations; chunks without live tensors are unmapped now,
         the others when their last tensor dies."""
         with self._lock:
             self.closed = True
+            self._cache.clear()
+            self.cached = 0
             for c in list(self.chunks):
+                c.cached = 0
                 c.open = False
                 self._maybe_drop(c)
             for c in self.chunks:   # live tensors keep these mapped (through their own arrays)

@@ -1,0 +1,110 @@
+"""The shared heap's reuse of freed blocks (``transport.shm.registered``: Agreement).
+
+Real rank processes on the reused pool, real shared memory. A freed block is reused only
+when every rank has freed it and proposes it: ranks that free in different orders still
+agree, a rank that keeps its tensor alive makes the others bump (and its tensor is never
+written by a collective on the new one), the cache's bound holds, and destroy empties it.
+Every reused block is checked by a registered all_reduce on it (its offsets must agree on
+every rank, or the collective fails with a MismatchError).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+from tests.test_registered import _heap_maps
+
+pytestmark = pytest.mark.timeout(300)
+
+N = 40000           # float32: 160000 bytes, over the registered all_reduce's threshold
+
+
+def _heap():
+    return dist.distributed_c10d._get_default_group().communicator.heap
+
+
+def _summed(t: torch.Tensor, rank: int, world: int) -> bool:
+    """A registered all_reduce on ``t`` gives the sum of every rank's fill."""
+    t.fill_(rank + 1)
+    dist.all_reduce(t)
+    return bool((t == world * (world + 1) / 2).all())
+
+
+def _reuse_in_any_free_order(rank, world):
+    import pycoll
+
+    a, b = pycoll.empty_shared(N), pycoll.empty_shared(N)
+    where = {"a": a.data_ptr(), "b": b.data_ptr()}
+    chunks = len(_heap().chunks)
+    if rank == 0:       # the ranks free in opposite orders
+        del a, b
+    else:
+        del b, a
+    gc.collect()
+    cached = _heap().cached_blocks()
+    c, d = pycoll.empty_shared(N), pycoll.empty_shared(N)
+    ok = _summed(c, rank, world) and _summed(d, rank, world)
+    return {"cached": cached, "c_is_a": c.data_ptr() == where["a"], "d_is_b": d.data_ptr() == where["b"],
+            "chunks_same": len(_heap().chunks) == chunks, "ok": ok, "left": _heap().cached_blocks()}
+
+
+def test_freed_blocks_are_reused_whatever_order_the_ranks_free_them_in():
+    res = run_ranks(_reuse_in_any_free_order, 2, backend="pycoll")
+    for s in res:
+        assert s == {"cached": 2, "c_is_a": True, "d_is_b": True, "chunks_same": True, "ok": True,
+                     "left": 0}, res
+
+
+def _one_rank_keeps_it(rank, world):
+    import pycoll
+
+    a = pycoll.empty_shared(N)
+    first = a.data_ptr()
+    kept = None
+    if rank == 1:
+        kept = a            # rank 1's tensor stays alive: the block may not be reused
+        kept.fill_(42)
+    del a
+    gc.collect()
+    proposed = _heap().reusable(N * 4)
+    b = pycoll.empty_shared(N)
+    ok = _summed(b, rank, world)
+    intact = bool((kept == 42).all()) if kept is not None else None
+    # Once rank 1 frees it too, every rank proposes it again and it is reused.
+    del kept
+    gc.collect()
+    c = pycoll.empty_shared(N)
+    return {"proposed": proposed > 0, "b_new": b.data_ptr() != first, "ok": ok, "intact": intact,
+            "c_reused": c.data_ptr() == first, "c_ok": _summed(c, rank, world)}
+
+
+def test_a_block_one_rank_still_uses_is_not_reused_anywhere():
+    res = run_ranks(_one_rank_keeps_it, 2, backend="pycoll")
+    assert res[0]["proposed"] and not res[1]["proposed"], res
+    for s in res:
+        assert s["b_new"] and s["ok"] and s["c_reused"] and s["c_ok"], res
+    assert res[1]["intact"] is True, res
+
+
+def _bounded(rank, world):
+    import pycoll
+
+    xs = [pycoll.empty_shared(N) for _ in range(3)]     # 3 blocks of 40 pages
+    del xs
+    gc.collect()
+    cached, nbytes = _heap().cached_blocks(), _heap().cached
+    dist.destroy_process_group()
+    gc.collect()
+    return {"cached": cached, "bytes": nbytes, "after_destroy": _heap_maps()}
+
+
+@pytest.mark.parametrize("cap, blocks", [(0, 0), (2 * 40 * 4096, 2)])
+def test_the_cache_holds_at_most_its_bound_and_destroy_empties_it(cap, blocks):
+    res = run_ranks(_bounded, 2, backend="pycoll", env={"PYCOLL_SHM_HEAP_CACHE_BYTES": str(cap)})
+    for s in res:
+        assert s == {"cached": blocks, "bytes": blocks * 40 * 4096, "after_destroy": 0}, res

@@ -25,7 +25,7 @@ from tests import transport_kit as kit
 pytestmark = pytest.mark.timeout(120)
 
 MAKERS = {"memory": kit.memory_world, "lockstep": kit.lockstep_world, "tcp": kit.tcp_world,
-          "shm": kit.shm_world}
+          "tcp-spinning": kit.tcp_spinning_world, "shm": kit.shm_world}
 CHECKS = {
     "ordering_one_way": kit.check_ordering_one_way,
     "ordering_all_pairs": kit.check_ordering_all_pairs,

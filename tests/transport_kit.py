@@ -333,13 +333,16 @@ def connect(kind: str, store, rank: int, world: int, mailbox: int = 4096) -> Tra
 
 
 @contextlib.contextmanager
-def _process_world(kind: str, world: int, mailbox: int = 4096):
+def _process_world(kind: str, world: int, mailbox: int = 4096, spin: float = 0.0):
     # The ranks are threads of this process, so they share one in-process c10d store (a
     # TCPStore costs sockets and, one time in seven here, a 5 s stall in its connect); the
     # transports' own sockets and segments are real. Peer death uses real TCPStores.
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=30))
     ts = ok(run_threads([lambda r=r: connect(kind, store, r, world, mailbox) for r in range(world)]))
+    if spin:
+        for t in ts:
+            t.spin = spin
     large = 8 * 2**20 + 3 if kind == "tcp" else 3 * ts[0].mailbox + 5
     blocking = 64 * 2**20 if kind == "tcp" else 4 * ts[0].mailbox
     try:
@@ -351,6 +354,11 @@ def _process_world(kind: str, world: int, mailbox: int = 4096):
 
 def tcp_world(world: int):
     return _process_world("tcp", world)
+
+
+def tcp_spinning_world(world: int):
+    """TCP with the polling before a step blocks that groups with cores to spare use."""
+    return _process_world("tcp", world, spin=0.001)
 
 
 def shm_world(world: int, mailbox: int = 4096):

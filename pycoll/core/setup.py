@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from pycoll import rendezvous
 from pycoll.core.executor import DEFAULT_SEGMENT_BYTES, Executor
+from pycoll.transport import waits
 from pycoll.transport.base import Transport
 from pycoll.transport.shm.arena import ShmArena
 from pycoll.transport.tcp.mesh import build_mesh
@@ -40,6 +41,14 @@ def choose_mode(requested: str, hosts: list[str]) -> str:
     if n_hosts == 1:
         return "shm"
     return "hierarchical" if n_hosts < len(hosts) else "tcp"
+
+
+def tcp_spin(local_ranks: int) -> float:
+    """Seconds a TCP step polls before it blocks: ``PYCOLL_TCP_SPIN_US`` (1000), or 0 when
+    this host's ranks have no cores to spare (``waits.cores_to_spare``)."""
+    if not waits.cores_to_spare(local_ranks):
+        return 0.0
+    return max(0.0, float(os.environ.get("PYCOLL_TCP_SPIN_US", 1000)) / 1e6)
 
 
 @dataclass
@@ -67,13 +76,14 @@ def wire(store, rank: int, world: int, timeout: float, observe_transport=None) -
     mode = choose_mode(os.environ.get("PYCOLL_TRANSPORT", "auto"), hosts)
     coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
     tcp = TcpTransport(rank, world, coll_socks)
+    local = [r for r in range(world) if hosts[r] == hosts[rank]]
+    tcp.spin = tcp_spin(len(local))
     transport = wrap(tcp)
     segment = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
     w = Wiring(mode, hosts, tcp, transport, Executor(transport, segment), p2p_socks)
     if mode == "tcp":
         return w
     order = list(dict.fromkeys(hosts))           # hosts in order of their lowest rank
-    local = [r for r in range(world) if hosts[r] == hosts[rank]]
     try:
         w.arena = ShmArena(store, f"pycoll/shm/{order.index(hosts[rank])}", local.index(rank), len(local),
                            local, timeout)

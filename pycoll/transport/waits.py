@@ -11,14 +11,22 @@ lookup, and only once a wait is about to block.
 
 Only collectives that run in the calling thread see the hook (pycoll runs a blocking call
 inline when nothing is queued before it; ops run by the group's worker thread do not).
+
+It also holds the one rule for when a wait may spin before it blocks (``cores_to_spare``:
+the shared-memory barriers and TCP steps both follow it) and, for TCP, which threads may
+(``spin_allowed``: not the group's worker, which runs asynchronous ops while the caller
+computes, so that its polling would take the core the computation needs).
 """
 
 from __future__ import annotations
 
 import math
+import os
 import threading
 import time
 from typing import Callable
+
+import torch
 
 _local = threading.local()
 
@@ -50,3 +58,52 @@ def due(now: float) -> float:
     _local.hook = None
     hook[1]()
     return math.inf
+
+
+def cores_to_spare(local_ranks: int) -> bool:
+    """Whether every local rank, with torch's intra-op threads, has a core of its own: only
+    then does polling for a peer beat blocking in the kernel (a wake-up costs tens to
+    hundreds of microseconds on a VM); otherwise a spinning rank takes the core a peer, or
+    the peer's intra-op thread, needs."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return local_ranks * torch.get_num_threads() <= cores
+
+
+class AdaptiveSpin:
+    """How long a thread's next wait polls before it blocks, learned from the last ones.
+
+    A spin that the peer answers says spinning pays now: the next gets the whole budget. A
+    spin that ends unanswered cost its time for nothing (the peer is late, or asleep, or
+    shares this rank's core and cannot run while this rank spins: then every op costs a
+    whole spin), so the next gets half, down to none. Every ``PROBE``-th wait tries the
+    whole budget again, so a group that stopped spinning finds out when it would pay again.
+    """
+
+    PROBE = 16
+    SMALLEST = 25e-6     # below this a spin is not worth starting
+
+    __slots__ = ("full", "now", "count")
+
+    def __init__(self, full: float) -> None:
+        self.full = self.now = full
+        self.count = 0
+
+    def budget(self) -> float:
+        self.count += 1
+        return self.full if self.count % self.PROBE == 0 else self.now
+
+    def answered(self) -> None:
+        self.now = self.full
+
+    def unanswered(self, budget: float) -> None:
+        half = budget / 2
+        self.now = half if half >= self.SMALLEST else 0.0
+
+
+def run_in_background() -> None:
+    """Mark this thread as one that runs ops while their caller computes: it never spins."""
+    _local.background = True
+
+
+def spin_allowed() -> bool:
+    return not getattr(_local, "background", False)

@@ -73,7 +73,7 @@ def spin_budget(local_ranks: int, tell: bool = False) -> float:
     threads = torch.get_num_threads()
     if tell and local_ranks <= cores < local_ranks * threads and not _told_oversubscribed:
         _tell_oversubscribed(local_ranks, threads, cores)
-    return SPIN_SECONDS if local_ranks * threads <= cores else 0.0
+    return SPIN_SECONDS if waits.cores_to_spare(local_ranks) else 0.0
 
 
 _told_oversubscribed = False

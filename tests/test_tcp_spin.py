@@ -1,0 +1,116 @@
+"""When a TCP step polls before it blocks (``waits``, ``core.setup.tcp_spin``).
+
+Real groups over loopback TCP on the reused rank pool: the group sets its transport's
+budget only when every local rank has a core to spare, ``PYCOLL_TCP_SPIN_US`` sets or
+disables it, the group's worker thread (asynchronous ops) never spins while the caller's
+thread does, and a rank that waits for a late peer spins once, then blocks: its CPU time
+stays far below the wall time it waited, inline and in the worker alike.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+CORES = len(os.sched_getaffinity(0))
+
+
+def _budget(rank, world, threads):
+    from pycoll.transport import waits
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        pg = dist.new_group(backend="pycoll")
+        spin = pg.communicator.tcp.spin
+        seen = {}
+
+        def task(seq, deadline):
+            seen["worker"] = (threading.current_thread().name, waits.spin_allowed())
+        work = pg.communicator.submit("probe", [], task, False)
+        while not work.is_completed():   # not wait(): it would run the op in this thread
+            time.sleep(0.001)
+        dist.destroy_process_group(pg)
+        return spin, waits.spin_allowed(), seen["worker"]
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(CORES < 2, reason="two ranks need a core each to spin")
+def test_the_budget_needs_cores_to_spare_and_the_worker_never_spins():
+    res = run_ranks(_budget, 2, 1, backend="gloo", env={"PYCOLL_TRANSPORT": "tcp"})
+    for spin, caller, (name, worker) in res:
+        assert spin == pytest.approx(0.001) and caller is True, res
+        assert name.startswith("pycoll-worker") and worker is False, res
+    res = run_ranks(_budget, 2, CORES, backend="gloo", env={"PYCOLL_TRANSPORT": "tcp"})
+    assert [r[0] for r in res] == [0.0, 0.0], res
+    res = run_ranks(_budget, 2, 1, backend="gloo", env={"PYCOLL_TRANSPORT": "tcp", "PYCOLL_TCP_SPIN_US": "0"})
+    assert [r[0] for r in res] == [0.0, 0.0], res
+    res = run_ranks(_budget, 2, 1, backend="gloo", env={"PYCOLL_TRANSPORT": "tcp", "PYCOLL_TCP_SPIN_US": "250"})
+    assert [r[0] for r in res] == [pytest.approx(0.00025)] * 2, res
+
+
+def _late_peer(rank, world, asynchronous):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)      # as torchrun sets it: the group may spin
+    try:
+        return _wait_for_late_peer(rank, asynchronous)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _wait_for_late_peer(rank, asynchronous):
+    pg = dist.new_group(backend="pycoll")
+    spin = pg.communicator.tcp.spin
+    t = torch.ones(8)
+    dist.all_reduce(t, group=pg)
+    if rank == 1:
+        time.sleep(0.5)
+    cpu0, wall0 = time.process_time(), time.monotonic()
+    if asynchronous:        # the worker runs it while this thread sleeps
+        work = dist.all_reduce(t, group=pg, async_op=True)
+        while not work.is_completed():
+            time.sleep(0.01)
+    else:
+        dist.all_reduce(t, group=pg)
+    cpu = time.process_time() - cpu0
+    wall = time.monotonic() - wall0
+    ok = bool((t == 4).all())
+    dist.destroy_process_group(pg)
+    return cpu, wall, ok, spin
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_rank_waiting_for_a_late_peer_spins_once_then_blocks(asynchronous):
+    res = run_ranks(_late_peer, 2, asynchronous, backend="gloo", env={"PYCOLL_TRANSPORT": "tcp"})
+    cpu, wall, ok, spin = res[0]
+    assert all(r[2] for r in res) and (spin > 0 or CORES < 2), res
+    assert wall > 0.4, res
+    # Spinning through the wait would cost about the whole 0.5 s of CPU.
+    assert cpu < 0.1, res
+
+
+def test_adaptive_spin_halves_unanswered_spins_and_probes_the_whole_budget():
+    from pycoll.transport.waits import AdaptiveSpin
+
+    s = AdaptiveSpin(0.001)
+    got = []
+    for _ in range(AdaptiveSpin.PROBE - 1):      # every spin ends unanswered
+        b = s.budget()
+        got.append(b)
+        if b:
+            s.unanswered(b)
+    assert got[:6] == pytest.approx([0.001, 0.0005, 0.00025, 0.000125, 0.0000625, 0.00003125])
+    assert got[6:] == [0.0] * (AdaptiveSpin.PROBE - 7)       # under 25 us: no spin at all
+    assert s.budget() == 0.001                                # the probe
+    s.answered()                                              # it paid: spinning pays again
+    assert s.budget() == 0.001 and s.budget() == 0.001

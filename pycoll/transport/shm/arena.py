@@ -240,6 +240,9 @@ class ShmArena:
                 futex.wake(self._my_epoch)
                 break
         slept = False
+        # The group's worker runs asynchronous ops while its caller computes (DDP's buckets
+        # during backward): its barriers block at once, leaving the core to that computation.
+        spin = self._spin_now if self.spin and waits.spin_allowed() else 0.0
         for r, word in self._peer_epoch_words:
             spin_end = None
             while True:
@@ -251,10 +254,10 @@ class ShmArena:
                 if ctrl[word + 1] and ctrl[word] < target:
                     raise PeerClosedError(f"{what}: rank {self.ranks[r]} left the group: {self._reason(r)}",
                                           rank=self.ranks[self.me], peer=self.ranks[r])
-                if self.spin:
+                if spin:
                     now = time.perf_counter()
                     if spin_end is None:   # (a partial all-reduce's activation hook is not kept waiting)
-                        spin_end = now + min(self._spin_now, waits.due(time.monotonic()))
+                        spin_end = now + min(spin, waits.due(time.monotonic()))
                     if now < spin_end:
                         continue
                 now = time.monotonic()

@@ -1,10 +1,11 @@
-"""When a TCP step polls before it blocks (``waits``, ``core.setup.tcp_spin``).
+"""When a wait polls before it blocks (``waits``, ``core.setup.tcp_spin``, the arena's barriers).
 
-Real groups over loopback TCP on the reused rank pool: the group sets its transport's
-budget only when every local rank has a core to spare, ``PYCOLL_TCP_SPIN_US`` sets or
-disables it, the group's worker thread (asynchronous ops) never spins while the caller's
+Real groups over loopback TCP and shared memory on the reused rank pool: the group sets
+its TCP budget only when every local rank has a core to spare, ``PYCOLL_TCP_SPIN_US`` sets
+or disables it, the group's worker thread (asynchronous ops) never spins while the caller's
 thread does, and a rank that waits for a late peer spins once, then blocks: its CPU time
-stays far below the wall time it waited, inline and in the worker alike.
+stays far below the wall time it waited, inline and in the worker alike. On shared memory
+the worker's barriers do not spin at all (it runs DDP's buckets while backward computes).
 """
 
 from __future__ import annotations
@@ -114,3 +115,37 @@ def test_adaptive_spin_halves_unanswered_spins_and_probes_the_whole_budget():
     assert s.budget() == 0.001                                # the probe
     s.answered()                                              # it paid: spinning pays again
     assert s.budget() == 0.001 and s.budget() == 0.001
+
+
+def _often_late_peer(rank, world, ops, late):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)      # as torchrun sets it: the group may spin
+    try:
+        pg = dist.new_group(backend="pycoll")
+        arena = pg.communicator.arena
+        spin = arena.spin if arena is not None else None
+        t = torch.ones(8)
+        dist.all_reduce(t, group=pg)
+        cpu0 = time.process_time()
+        for _ in range(ops):
+            if rank == 1:
+                time.sleep(late)
+            work = dist.all_reduce(t, group=pg, async_op=True)   # the worker runs it
+            while not work.is_completed():
+                time.sleep(0.001)
+        cpu = time.process_time() - cpu0
+        ok = bool((t == 2 ** (ops + 1)).all())
+        dist.destroy_process_group(pg)
+        return cpu, ok, spin
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(CORES < 2, reason="two ranks need a core each to spin")
+def test_the_workers_shared_memory_barriers_do_not_spin():
+    # Rank 0's worker waits ~5 ms for rank 1 in each of 20 all_reduces. A barrier that
+    # spins (2 ms, 16 ms after one that slept) burns about that whole wait: ~100 ms of CPU.
+    res = run_ranks(_often_late_peer, 2, 20, 0.005, backend="gloo")
+    cpu, ok, spin = res[0]
+    assert all(r[1] for r in res) and spin and spin > 0, res
+    assert cpu < 0.03, res

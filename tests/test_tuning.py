@@ -220,6 +220,67 @@ def test_pycoll_cost_moves_the_choice(monkeypatch):
     assert given.source == "given" and given.choose("all_reduce", 64 << 20) == "recursive_doubling"
 
 
+def test_a_crowded_host_prices_rounds_that_keep_more_ranks_busy_than_cores(monkeypatch):
+    # World 3 on 2 vCPUs measured recursive doubling and halving-doubling (whose fold leaves
+    # a rank idle) faster than ring up to ~1 MiB; the defaults switch to ring at 32 KiB.
+    assert Tuner(3).choose("all_reduce", 128 << 10) == "ring"
+    t = Tuner(3, cores=2)
+    assert t.choose("all_reduce", 64 << 10) == "recursive_doubling"
+    assert t.choose("all_reduce", 256 << 10) == "halving_doubling"
+    assert t.choose("all_reduce", 4 << 20) == "ring"
+    costs = t.costs("all_reduce", 3)
+    crowded = Params(**{**vars(DEFAULT_PARAMS), "alpha": DEFAULT_PARAMS.alpha_crowded})
+    base = algorithms.COSTS["all_reduce"]
+    assert costs["ring"](3, 1 << 20, DEFAULT_PARAMS) == base["ring"](3, 1 << 20, crowded)
+    assert costs["halving_doubling"] is base["halving_doubling"]      # 2 busy ranks: not crowded
+    # World 4: every algorithm keeps 4 ranks busy, so alpha_crowded prices them all: the
+    # latency-bound choice holds longer than with the defaults.
+    assert Tuner(4).choose("all_reduce", 256 << 10) == "halving_doubling"
+    assert Tuner(4, cores=2).choose("all_reduce", 256 << 10) == "recursive_doubling"
+    assert Tuner(4, cores=4).table("all_reduce", 4) == Tuner(4).table("all_reduce", 4)
+    monkeypatch.setenv("PYCOLL_COST", "alpha_crowded=38us")     # the defaults' alpha: no change
+    assert Tuner(3, cores=2).table("all_reduce", 3) == Tuner(3).table("all_reduce", 3)
+
+
+def _sits_out(sched) -> bool:
+    """Only the fold's lone send and the unfold's lone receive: no exchange in the rounds."""
+    comm = [step for step in sched.steps if any(isinstance(a, (Send, Recv, RecvReduce)) for a in step)]
+    return len(comm) == 2 and all(len(step) == 1 for step in comm)
+
+
+def test_busy_ranks_are_those_the_schedules_give_work():
+    # busy(world) must agree with the schedules: the ranks that exchange in the rounds
+    # (all of them for algorithms without a fold).
+    for coll, algos in algorithms.MODULES.items():
+        for name in algos:
+            for w in range(1, 10):
+                busy = algorithms.BUSY[coll][name](w)
+                assert 1 <= busy <= w, (coll, name, w)
+                if name not in ("recursive_doubling", "halving_doubling") or coll != "all_reduce":
+                    assert busy == w, (coll, name, w)
+    for name in ("recursive_doubling", "halving_doubling"):
+        for w in range(1, 10):
+            idle = [r for r, sched in enumerate(schedules("all_reduce", name, w, 64)) if _sits_out(sched)]
+            assert algorithms.BUSY["all_reduce"][name](w) == w - len(idle), (name, w, idle)
+
+
+def _tuner_cores(rank, world):
+    comm = dist.distributed_c10d._get_default_group().communicator
+    return comm.mode, comm.tuner.cores
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_group_tells_the_tuner_when_its_tcp_ranks_outnumber_the_cores(world):
+    import os
+    cores = len(os.sched_getaffinity(0))
+    want = cores if world > cores else None
+    res = run_ranks(_tuner_cores, world, backend="pycoll", env={"PYCOLL_TRANSPORT": "tcp"})
+    assert res == [("tcp", want)] * world, res
+    # On shared memory (and hierarchically) not every rank runs the TCP rounds.
+    res = run_ranks(_tuner_cores, world, backend="pycoll")
+    assert res == [("shm", None)] * world, res
+
+
 # -- PYCOLL_ALGO and per-group overrides ---------------------------------------------------
 
 def test_parse_overrides():

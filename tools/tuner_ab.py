@@ -30,10 +30,17 @@ import time
 from pathlib import Path
 
 CHOICES = """
-import json, sys
-from pycoll.core.tuner import Tuner
-w, sizes = int(sys.argv[1]), json.loads(sys.argv[2])
-t = Tuner(w)
+import json, os, sys
+try:
+    from pycoll.core.tuner import Tuner
+except ImportError:   # a tree from before the layered packages
+    from pycoll.tuning import Tuner
+w, sizes, tcp = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3] == "tcp"
+cores = len(os.sched_getaffinity(0))
+try:   # as the group would: crowded when all its ranks run TCP rounds on fewer cores
+    t = Tuner(w, cores=cores if tcp and w > cores else None)
+except TypeError:   # a tree from before the tuner knew crowded hosts
+    t = Tuner(w)
 print(json.dumps([t.choose("all_reduce", n, w) for n in sizes]))
 """
 
@@ -63,11 +70,11 @@ def times(doc: dict, backend: str) -> dict[int, float]:
             if (r["results"].get(backend) or {}).get("time_us")}
 
 
-def choices(tree: Path, world: int, sizes: list[int]) -> list[str]:
+def choices(tree: Path, world: int, sizes: list[int], transport: str) -> list[str]:
     env = dict(os.environ, PYTHONPATH=str(tree))
     env.pop("PYCOLL_ALGO", None)
     env.pop("PYCOLL_COST", None)
-    out = subprocess.run([sys.executable, "-c", CHOICES, str(world), json.dumps(sizes)], env=env,
+    out = subprocess.run([sys.executable, "-c", CHOICES, str(world), json.dumps(sizes), transport], env=env,
                          cwd=tree, capture_output=True, text=True, check=True).stdout
     return json.loads(out)
 
@@ -143,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                     "gloo": {str(k): v for k, v in times(d, "gloo").items()}} for d in ds]
             for side, ds in docs.items()}
     sizes = sorted({int(n) for side in runs.values() for r in side for n in r["pycoll"]})
-    algo = {side: {str(n): a for n, a in zip(sizes, choices(getattr(args, side), args.world_size, sizes))}
+    algo = {side: {str(n): a for n, a in zip(sizes, choices(getattr(args, side), args.world_size, sizes,
+                                                                     args.transport.lower()))}
             for side in runs}
     result = {"world": args.world_size, "transport": args.transport, "pairs": args.pairs,
               "iters": args.iters, "seconds": round(time.monotonic() - t0),

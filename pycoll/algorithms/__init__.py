@@ -1,7 +1,8 @@
 """Every algorithm, by collective and name: ``ALGORITHMS[collective][name]`` is a pure
 schedule function (see ``schedule.py``), ``COSTS[collective][name]`` its
 ``cost(world, nbytes, params) -> seconds`` (see ``cost.py``; the tuner takes the cheapest);
-``get`` looks a schedule up with a helpful error. Within a collective the order is the
+``BUSY[collective][name]`` how many ranks its rounds keep at work; ``get`` looks a schedule
+up with a helpful error. Within a collective the order is the
 tuner's tie-break: of algorithms that cost the same, the first listed wins.
 
 Signatures by collective (counts in elements):
@@ -35,7 +36,7 @@ from pycoll.algorithms import (
     scatter_allgather_broadcast,
     tree_allreduce,
 )
-from pycoll.algorithms.cost import CostFn
+from pycoll.algorithms.cost import CostFn, all_busy
 from pycoll.algorithms.schedule import Schedule
 
 ScheduleFn = Callable[..., Schedule]
@@ -71,6 +72,9 @@ ALGORITHMS: dict[str, dict[str, ScheduleFn]] = {
     c: {name: m.schedule for name, m in algos.items()} for c, algos in MODULES.items()}
 COSTS: dict[str, dict[str, CostFn]] = {
     c: {name: m.cost for name, m in algos.items()} for c, algos in MODULES.items()}
+# ranks at work in an algorithm's rounds, ``busy(world)`` (cost.py: crowded rounds)
+BUSY: dict[str, dict[str, Callable[[int], int]]] = {
+    c: {name: getattr(m, "busy", all_busy) for name, m in algos.items()} for c, algos in MODULES.items()}
 
 
 def get(collective: str, name: str) -> ScheduleFn:

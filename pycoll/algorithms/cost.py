@@ -9,6 +9,12 @@ An algorithm's time is T = a*alpha + b*beta + c*gamma + d*delta, where, on the c
 - c = bytes reduced, gamma = seconds per byte of a reduction kernel;
 - d = bytes copied locally, delta = seconds per byte of a local copy (memory bandwidth).
 
+With more ranks on a host than cores (``Tuner(cores=...)``), a round in which more ranks are
+busy than there are cores waits for a scheduler's wake-up and time slice: it costs
+``alpha_crowded`` instead of alpha. How many ranks an algorithm keeps busy is its module's
+``busy(world)`` (all of them but where a fold leaves ranks idle: recursive doubling and
+halving-doubling off powers of two).
+
 (a, b, c) are the ``Terms`` of docs/algorithms.md's table, one ``terms(world, n)`` per algorithm
 module, checked against the schedules themselves by tests/test_model_check.py. d, the local
 copies (``copied(world, n)``), is the textbook model's blind spot that this package adds: it
@@ -32,6 +38,9 @@ Terms = namedtuple("Terms", "alpha beta gamma")
 ZERO = Terms(0, 0, 0)
 
 
+KEYS = ("alpha", "beta", "gamma", "delta", "alpha_crowded")
+
+
 @dataclass(frozen=True)
 class Params:
     """Seconds per message (alpha) and per byte moved (beta), reduced (gamma), copied (delta)."""
@@ -40,9 +49,11 @@ class Params:
     beta: float
     gamma: float
     delta: float = 0.0
+    # alpha of a round in which more ranks of one host are busy than it has cores (``busy``)
+    alpha_crowded: float = 0.0
 
     def __post_init__(self) -> None:
-        for key in ("alpha", "beta", "gamma", "delta"):
+        for key in KEYS:
             v = getattr(self, key)
             if not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"cost parameter {key}={v!r}: must be a finite number >= 0")
@@ -77,6 +88,11 @@ def fold(world: int) -> tuple[int, int, int]:
     """(p, 1 if the MPICH fold runs else 0, log2 p) of a power-of-two algorithm on ``world``."""
     p = 1 << (world.bit_length() - 1)
     return p, int(p != world), clog2(p)
+
+
+def all_busy(world: int) -> int:
+    """``busy`` of the algorithms that keep every rank at work in their rounds."""
+    return world
 
 
 def no_copies(world: int, n: float) -> float:

@@ -74,4 +74,11 @@ def terms(world: int, n: float) -> Terms:
 
 
 copied = no_copies  # nothing is copied locally
+
+
+def busy(world: int) -> int:
+    """The ranks at work in the main rounds: the fold leaves the others idle."""
+    return fold(world)[0]
+
+
 cost = cost_of(terms, copied)

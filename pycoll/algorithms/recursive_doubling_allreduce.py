@@ -72,4 +72,10 @@ def copied(world: int, n: float) -> float:
     return n if world > 1 else 0.0
 
 
+
+def busy(world: int) -> int:
+    """The ranks at work in the main rounds: the fold leaves the others idle."""
+    return fold(world)[0]
+
+
 cost = cost_of(terms, copied)

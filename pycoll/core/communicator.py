@@ -68,7 +68,7 @@ class Communicator:
         # User callbacks of futures that pycoll's own threads complete run here (callbacks.py).
         self.runner = callbacks.Runner(f"pycoll-callbacks-{rank}")
         self.p2p = P2PEngine(rank, world, w.p2p_socks, self.runner)
-        self.tuner = Tuner(world, algo_overrides)
+        self.tuner = Tuner(world, algo_overrides, cores=w.crowded_cores)
         self.error: BaseException | None = None
         self._seq = 0
         self._queue: deque[tuple[Work, Task]] = deque()

@@ -43,6 +43,14 @@ def choose_mode(requested: str, hosts: list[str]) -> str:
     return "hierarchical" if n_hosts < len(hosts) else "tcp"
 
 
+def crowded_cores(mode: str, local_ranks: int) -> int | None:
+    """This host's cores when every rank runs the TCP rounds and they outnumber the cores
+    (forced TCP on one host), for the tuner to price crowded rounds; else None. On the
+    hierarchical path only one rank per host runs the TCP schedule."""
+    cores = waits.cores()
+    return cores if mode == "tcp" and local_ranks > cores else None
+
+
 def tcp_spin(local_ranks: int) -> float:
     """Seconds a TCP step polls before it blocks: ``PYCOLL_TCP_SPIN_US`` (1000), or 0 when
     this host's ranks have no cores to spare (``waits.cores_to_spare``)."""
@@ -63,6 +71,7 @@ class Wiring:
     p2p_socks: dict
     arena: ShmArena | None = None
     local_ranks: list[int] = field(default_factory=list)   # group ranks on this host
+    crowded_cores: int | None = None  # cores here, when this host's TCP ranks outnumber them
     host_of: list[int] = field(default_factory=list)       # host index of every group rank
     leaders: list[int] = field(default_factory=list)       # lowest group rank of every host
     leader_executor: Executor | None = None                 # hierarchical: this leader's TCP
@@ -81,6 +90,7 @@ def wire(store, rank: int, world: int, timeout: float, observe_transport=None) -
     transport = wrap(tcp)
     segment = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
     w = Wiring(mode, hosts, tcp, transport, Executor(transport, segment), p2p_socks)
+    w.crowded_cores = crowded_cores(mode, len(local))
     if mode == "tcp":
         return w
     order = list(dict.fromkeys(hosts))           # hosts in order of their lowest rank

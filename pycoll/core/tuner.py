@@ -26,9 +26,10 @@ import logging
 import math
 import os
 from bisect import bisect_left
+from dataclasses import replace
 
 from pycoll import algorithms
-from pycoll.algorithms.cost import Params
+from pycoll.algorithms.cost import KEYS, Params
 
 log = logging.getLogger("pycoll")
 
@@ -38,7 +39,11 @@ ENV_COST, ENV_ALGO, ENV_DEBUG = "PYCOLL_COST", "PYCOLL_ALGO", "PYCOLL_DEBUG"
 # project's 2-vCPU machine (tools/algo_sweep.py --fit; how, when and the run's figures:
 # docs/performance.md, "The tuner's parameters"). Most of alpha is Python per step, so it
 # holds about as well for any host running pycoll; across a real network set PYCOLL_COST.
-DEFAULT_PARAMS = Params(alpha=38e-6, beta=0.44e-9, gamma=0.070e-9, delta=0.32e-9)
+DEFAULT_PARAMS = Params(alpha=38e-6, beta=0.44e-9, gamma=0.070e-9, delta=0.32e-9,
+                        alpha_crowded=150e-6)
+# alpha_crowded prices a round in which more ranks of a host are busy than it has cores
+# (forced TCP with several ranks per core): a wake-up and a time slice, not Python. Fitted
+# to the interleaved world 3 and 4 sweeps on 2 vCPUs (docs/performance.md, "Crowded hosts").
 
 _UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 # Crossovers are searched up to 1 TiB; the last algorithm of a table holds beyond.
@@ -67,8 +72,9 @@ def parse_cost(text: str | None, base: Params = DEFAULT_PARAMS) -> Params:
     """``"alpha=30e-6,beta=0.5ns,gamma=0.13ns,delta=0.1ns"`` -> Params; keys left out keep
     ``base``'s. Values are seconds (per byte for beta, gamma, delta), optionally with a unit
     s, ms, us or ns. ValueError names the variable, the item and the valid form."""
-    values = {k: getattr(base, k) for k in ("alpha", "beta", "gamma", "delta")}
-    form = f"{ENV_COST}=alpha=38us,beta=0.44ns,gamma=0.07ns,delta=0.32ns (seconds, or s/ms/us/ns)"
+    values = {k: getattr(base, k) for k in KEYS}
+    form = (f"{ENV_COST}=alpha=38us,beta=0.44ns,gamma=0.07ns,delta=0.32ns,alpha_crowded=150us "
+            f"(seconds, or s/ms/us/ns)")
     seen: set[str] = set()
     for item in filter(None, (x.strip() for x in (text or "").split(","))):
         key, eq, raw = (s.strip() for s in item.partition("="))
@@ -91,9 +97,13 @@ def parse_cost(text: str | None, base: Params = DEFAULT_PARAMS) -> Params:
 
 
 class Tuner:
+    """``cores``: set when every rank of the group runs the TCP rounds on a host with fewer
+    cores than ranks; then a round of an algorithm that keeps more ranks busy than that
+    (``algorithms.BUSY``) costs ``alpha_crowded``."""
+
     def __init__(self, world: int, overrides: dict[str, str] | None = None,
-                 params: Params | None = None) -> None:
-        self.world = world
+                 params: Params | None = None, cores: int | None = None) -> None:
+        self.world, self.cores = world, cores
         self.overrides = dict(parse_overrides(os.environ.get(ENV_ALGO)))
         self.overrides.update(overrides or {})
         self.params = params if params is not None else parse_cost(os.environ.get(ENV_COST))
@@ -123,13 +133,30 @@ class Tuner:
         return self._tables[key]
 
     def _build(self, collective: str, world: int) -> tuple[list[int], list[str]]:
+        costs = self.costs(collective, world)
+        bounds, names = crossovers(costs, world, self.params)
+        if self.debug and log.isEnabledFor(logging.INFO):
+            log.info("%s", format_table(collective, world, self.params, self.source, bounds, names,
+                                        costs, self.cores))
+        return bounds, names
+
+    def costs(self, collective: str, world: int) -> dict:
+        """Each algorithm's ``cost(world, nbytes, params)`` as this group prices it: with
+        ``alpha_crowded`` for an algorithm that keeps more ranks busy than ``cores``."""
         costs = algorithms.COSTS.get(collective)
         if costs is None:
             raise ValueError(f"unknown collective {collective!r}; valid: {', '.join(algorithms.COSTS)}")
-        bounds, names = crossovers(costs, world, self.params)
-        if self.debug and log.isEnabledFor(logging.INFO):
-            log.info("%s", format_table(collective, world, self.params, self.source, bounds, names))
-        return bounds, names
+        if self.cores is None:
+            return costs
+        busy = algorithms.BUSY[collective]
+        crowded = replace(self.params, alpha=self.params.alpha_crowded)
+        return {name: (_priced(fn, crowded) if busy[name](world) > self.cores else fn)
+                for name, fn in costs.items()}
+
+
+def _priced(fn, params: Params):
+    """``fn`` priced with ``params`` whatever it is asked with."""
+    return lambda world, nbytes, _params: fn(world, nbytes, params)
 
 
 def cheapest(costs: dict, world: int, nbytes: int, params: Params) -> str:
@@ -180,14 +207,18 @@ def _size(n: int) -> str:
 
 
 def format_table(collective: str, world: int, params: Params, source: str,
-                 bounds: list[int], names: list[str]) -> str:
+                 bounds: list[int], names: list[str], costs: dict | None = None,
+                 cores: int | None = None) -> str:
     """What the tuner chose from: the parameters, the crossovers, and every candidate's
     cost (us) at a few sizes and at each crossover (* marks the choice)."""
-    costs = algorithms.COSTS[collective]
+    costs = costs or algorithms.COSTS[collective]
     p = params
     head = (f"tuner: {collective} world {world}, cost parameters ({source}): alpha "
             f"{p.alpha * 1e6:.4g} us, beta {p.beta * 1e9:.4g} ns/B, gamma {p.gamma * 1e9:.4g} "
             f"ns/B, delta {p.delta * 1e9:.4g} ns/B")
+    if cores is not None:
+        head += (f"; {world} ranks on {cores} cores: a round with more ranks busy costs "
+                 f"alpha_crowded {p.alpha_crowded * 1e6:.4g} us")
     choice = names[0] + "".join(f" <= {_size(b)} < {n}" for b, n in zip(bounds, names[1:]))
     sizes = sorted(set(_SIZES) | set(bounds) | {b + 1 for b in bounds})
     width = max(12, *(len(n) + 2 for n in costs))

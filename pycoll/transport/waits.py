@@ -60,13 +60,17 @@ def due(now: float) -> float:
     return math.inf
 
 
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def cores_to_spare(local_ranks: int) -> bool:
     """Whether every local rank, with torch's intra-op threads, has a core of its own: only
     then does polling for a peer beat blocking in the kernel (a wake-up costs tens to
     hundreds of microseconds on a VM); otherwise a spinning rank takes the core a peer, or
     the peer's intra-op thread, needs."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return local_ranks * torch.get_num_threads() <= cores
+    return local_ranks * torch.get_num_threads() <= cores()
 
 
 class AdaptiveSpin:

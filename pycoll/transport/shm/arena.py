@@ -69,7 +69,7 @@ def spin_budget(local_ranks: int, tell: bool = False) -> float:
     ranks x 2 threads on 2 cores, a 1 MiB all_reduce after a parallel torch op took 3.0 ms
     spinning, 0.67 ms not.
     """
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = waits.cores()
     threads = torch.get_num_threads()
     if tell and local_ranks <= cores < local_ranks * threads and not _told_oversubscribed:
         _tell_oversubscribed(local_ranks, threads, cores)

@@ -61,12 +61,15 @@ def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None) -> torch
     if comm.mode != "shm":
         return torch.empty(shape, dtype=dtype)
     nbytes = math.prod(shape) * dtype.itemsize
-    if comm.heap is None:
-        arena = comm.arena
-        comm.heap = SharedHeap(backend.get_group_store(), "pycoll/heap", arena.me, arena.size, comm.timeout)
     got: list = []
 
     def task(seq: int, deadline: float) -> None:
+        # Made here, where the group's ops run one at a time: two threads calling at once
+        # make one heap.
+        if comm.heap is None:
+            arena = comm.arena
+            comm.heap = SharedHeap(backend.get_group_store(), "pycoll/heap", arena.me, arena.size,
+                                   comm.timeout)
         got.append(shm_registered.allocate(comm.arena, comm.heap, nbytes, seq, deadline))
 
     comm.submit("empty_shared", [], task, True).wait()

@@ -17,7 +17,6 @@ loss of each (the three train the same model on the same data).
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -31,6 +30,8 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+
+from tools import spawn_ranks  # noqa: E402
 
 CONFIGS = ("gloo", "pycoll", "pycoll registered")
 
@@ -102,23 +103,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     a = p.parse_args(argv)
     world = a.world_size
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=120))
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, store.port, vars(a), queue), daemon=True)
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results = [None] * world
-    for _ in range(world):
-        rank, status, value = queue.get(timeout=1800)
-        if status != "ok":
-            print(f"rank {rank} failed: {value}", file=sys.stderr)
-            return 1
-        results[rank] = value
-    for proc in procs:
-        proc.join(10)
+    results = spawn_ranks.run(_rank, world, vars(a))
+    if results is None:
+        return 1
     print(f"# FSDP2 (fully_shard per layer) on the 25.2M MLP, world {world}, {a.rounds} rounds x "
           f"{a.steps} steps, interleaved; median steps/s of the slowest rank")
     print(f"{'config':>18} {'steps/s':>8} {'vs gloo':>8} {'last loss':>10}")

@@ -22,7 +22,6 @@ before and after the ranks; the better is kept). Each variant is checked once (#
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -34,6 +33,8 @@ if __package__ in (None, ""):
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+
+from tools import spawn_ranks  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, opts: dict, queue) -> None:
@@ -132,22 +133,9 @@ def main(argv=None) -> int:
     opts = {"sizes": [_size(s) for s in a.sizes.split(",") if s], "iters": a.iters, "chunk": a.chunk,
             "dtype": a.dtype, "collective": a.collective}
     before = ref.memcpy_per_rank(a.ref_seconds, world) / 1e9 if a.ref_seconds > 0 else 0.0
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=120))
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, world, store.port, opts, queue), daemon=True) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    results = [None] * world
-    for _ in range(world):
-        rank, status, value = queue.get(timeout=1800)
-        if status != "ok":
-            print(f"rank {rank} failed: {value}", file=sys.stderr)
-            return 1
-        results[rank] = value
-    for proc in procs:
-        proc.join(10)
+    results = spawn_ranks.run(_rank, world, opts)
+    if results is None:
+        return 1
     after = ref.memcpy_per_rank(a.ref_seconds, world) / 1e9 if a.ref_seconds > 0 else 0.0
     copy_rate = max(before, after)
     factor = (2 if a.collective == "all_reduce" else 1) * (world - 1) / world

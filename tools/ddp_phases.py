@@ -20,19 +20,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from torch import nn
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+
+from tools import spawn_ranks  # noqa: E402
 
 PHASES = ("fwd", "bwd", "opt", "step", "tail")
 
@@ -69,9 +71,13 @@ def _configs(pg, gloo, build):
 
 
 def rank_main(rank: int, world: int, port: int, args, queue) -> None:
+    spawn_ranks.report(queue, rank, lambda: _phases(rank, world, port, args))
+
+
+def _phases(rank: int, world: int, port: int, args) -> tuple:
     torch.set_num_threads(1)
-    import bench_ddp
     import pycoll  # noqa: F401  (registers the backend)
+    from tools import bench_ddp
 
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
     dist.init_process_group("gloo", rank=rank, world_size=world, store=store)
@@ -107,9 +113,9 @@ def rank_main(rank: int, world: int, port: int, args, queue) -> None:
                         buckets = [(b.index, round(b.nbytes / 2**20, 1), round((b.ready - tl.backward_start) * 1e3, 1),
                                     round((b.end - tl.backward_start) * 1e3, 1)) for b in tl.buckets]
     dist.barrier()
-    queue.put((rank, {k: {p: round(statistics.median(v) * 1e3, 1) for p, v in ph.items() if v}
-                      for k, ph in times.items()}, buckets))
     dist.destroy_process_group()
+    return ({k: {p: round(statistics.median(v) * 1e3, 1) for p, v in ph.items() if v}
+             for k, ph in times.items()}, buckets)
 
 
 def main() -> None:
@@ -121,21 +127,10 @@ def main() -> None:
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
     args.configs = args.configs.split(",")
-    store = dist.TCPStore("127.0.0.1", 0, 3, is_master=True, timeout=timedelta(seconds=120),
-                          wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, 2, store.port, args, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        results = sorted(queue.get(timeout=600) for _ in procs)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    for rank, figures, buckets in results:
+    results = spawn_ranks.run(rank_main, 2, args, timeout=600)
+    if results is None:
+        sys.exit(1)
+    for rank, (figures, buckets) in enumerate(results):
         print(f"rank {rank} ({args.model}, ms, medians): " + ", ".join(PHASES))
         for k, ph in figures.items():
             print(f"  {k:16s} " + "  ".join(f"{p} {ph[p]:7.1f}" for p in PHASES if p in ph))

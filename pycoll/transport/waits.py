@@ -13,9 +13,9 @@ Only collectives that run in the calling thread see the hook (pycoll runs a bloc
 inline when nothing is queued before it; ops run by the group's worker thread do not).
 
 It also holds the one rule for when a wait may spin before it blocks (``cores_to_spare``:
-the shared-memory barriers and TCP steps both follow it) and, for TCP, which threads may
-(``spin_allowed``: not the group's worker, which runs asynchronous ops while the caller
-computes, so that its polling would take the core the computation needs).
+the shared-memory barriers and TCP steps both follow it) and for how long a thread may
+(``spin_cap``: the group's worker, which runs asynchronous ops while the caller computes,
+only briefly, so that its polling does not take the core the computation needs).
 """
 
 from __future__ import annotations
@@ -104,10 +104,18 @@ class AdaptiveSpin:
         self.now = half if half >= self.SMALLEST else 0.0
 
 
+# A thread that runs ops while their caller computes polls no longer than this: enough for
+# a peer that is already on its way (ranks in step, the end of a backward), too short to take
+# much of the core that the caller's computation needs when the peer is far behind.
+BACKGROUND_SPIN = 100e-6
+
+
 def run_in_background() -> None:
-    """Mark this thread as one that runs ops while their caller computes: it never spins."""
+    """Mark this thread as one that runs ops while their caller computes (the group's
+    worker): its waits poll at most ``BACKGROUND_SPIN`` before they block."""
     _local.background = True
 
 
-def spin_allowed() -> bool:
-    return not getattr(_local, "background", False)
+def spin_cap() -> float:
+    """The longest this thread's wait may poll before it blocks."""
+    return BACKGROUND_SPIN if getattr(_local, "background", False) else math.inf

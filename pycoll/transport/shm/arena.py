@@ -241,8 +241,8 @@ class ShmArena:
                 break
         slept = False
         # The group's worker runs asynchronous ops while its caller computes (DDP's buckets
-        # during backward): its barriers block at once, leaving the core to that computation.
-        spin = self._spin_now if self.spin and waits.spin_allowed() else 0.0
+        # during backward): its barriers poll only briefly, leaving the core to that work.
+        spin = min(self._spin_now, waits.spin_cap()) if self.spin else 0.0
         for r, word in self._peer_epoch_words:
             spin_end = None
             while True:

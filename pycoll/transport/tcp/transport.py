@@ -11,8 +11,8 @@ deadlock on full socket buffers. Every wait has the collective's deadline.
 
 A step that finds nothing to do keeps polling its sockets before it blocks in ``poll``, for
 up to ``spin`` seconds (``PYCOLL_TCP_SPIN_US``, 1000 by default, set by the group when every
-local rank has a core to spare), and only in a thread the caller waits in, not the group's
-worker; how long is learned (``waits.AdaptiveSpin``: a spin left unanswered halves the next).
+local rank has a core to spare), and 0.1 ms at most in the group's worker, which runs
+asynchronous ops while the caller computes (``waits.spin_cap``); how long is learned (``waits.AdaptiveSpin``: a spin left unanswered halves the next).
 A peer's answer then costs no wake-up: on this VM a wake-up took 50-250 us, which left small
 all_reduces at 120-300 us in runs where blocking ranks woke each other late op after op
 (docs/performance.md).
@@ -173,11 +173,13 @@ class TcpTransport(FailureHandling, Transport):
                 self._cur = None
         peeked: set[int] = set()
         peer = -1
-        spins, spin_until, spun = self._spins, 0.0, 0.0
-        if self.spin and waits.spin_allowed():
+        spins, spin_until, spun, learn = self._spins, 0.0, 0.0, False
+        if self.spin:
             if spins is None or spins.full != self.spin:
                 spins = self._spins = waits.AdaptiveSpin(self.spin)
-            spun = spins.budget()
+            budget = spins.budget()
+            spun = min(budget, waits.spin_cap())
+            learn = spun == budget      # a capped spin (the worker's) teaches nothing
             spin_until = time.monotonic() + spun if spun else 0.0
         spinning = False
         try:
@@ -190,7 +192,8 @@ class TcpTransport(FailureHandling, Transport):
                 peer = -1
                 if spinning and progressed:
                     spinning = False
-                    spins.answered()
+                    if learn:
+                        spins.answered()
                 if active or recvs:
                     if self.aborted is not None:
                         raise self._aborted_error(what)
@@ -200,7 +203,8 @@ class TcpTransport(FailureHandling, Transport):
                                 spinning = True
                                 continue
                             spin_until, spinning = 0.0, False
-                            spins.unanswered(spun)
+                            if learn:
+                                spins.unanswered(spun)
                         self._wait(active, recvs, deadline, what, peeked)
                     elif time.monotonic() > deadline:
                         raise self._timeout(active, recvs, what)

@@ -95,6 +95,11 @@ def all_busy(world: int) -> int:
     return world
 
 
+def fold_busy(world: int) -> int:
+    """``busy`` of the algorithms that fold to a power of two: the folded ranks sit out."""
+    return fold(world)[0]
+
+
 def no_copies(world: int, n: float) -> float:
     """``copied`` of the algorithms that copy nothing locally."""
     return 0.0

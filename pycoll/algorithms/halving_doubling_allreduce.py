@@ -23,7 +23,7 @@ ring for large messages; off powers of two the fold's extra n makes ring cheaper
 
 from __future__ import annotations
 
-from pycoll.algorithms.cost import Terms, cost_of, fold, no_copies
+from pycoll.algorithms.cost import Terms, cost_of, fold, fold_busy, no_copies
 from pycoll.algorithms.schedule import (
     Recv,
     RecvReduce,
@@ -74,11 +74,5 @@ def terms(world: int, n: float) -> Terms:
 
 
 copied = no_copies  # nothing is copied locally
-
-
-def busy(world: int) -> int:
-    """The ranks at work in the main rounds: the fold leaves the others idle."""
-    return fold(world)[0]
-
-
+busy = fold_busy  # the fold leaves the others idle in the main rounds
 cost = cost_of(terms, copied)

@@ -25,7 +25,7 @@ messages.
 
 from __future__ import annotations
 
-from pycoll.algorithms.cost import Terms, cost_of, fold
+from pycoll.algorithms.cost import Terms, cost_of, fold, fold_busy
 from pycoll.algorithms.schedule import (
     Copy,
     Recv,
@@ -72,10 +72,5 @@ def copied(world: int, n: float) -> float:
     return n if world > 1 else 0.0
 
 
-
-def busy(world: int) -> int:
-    """The ranks at work in the main rounds: the fold leaves the others idle."""
-    return fold(world)[0]
-
-
+busy = fold_busy  # the fold leaves the others idle in the main rounds
 cost = cost_of(terms, copied)

@@ -12,7 +12,8 @@ deadlock on full socket buffers. Every wait has the collective's deadline.
 A step that finds nothing to do keeps polling its sockets before it blocks in ``poll``, for
 up to ``spin`` seconds (``PYCOLL_TCP_SPIN_US``, 1000 by default, set by the group when every
 local rank has a core to spare), and 0.1 ms at most in the group's worker, which runs
-asynchronous ops while the caller computes (``waits.spin_cap``); how long is learned (``waits.AdaptiveSpin``: a spin left unanswered halves the next).
+asynchronous ops while the caller computes (``waits.spin_cap``). How long is learned
+(``waits.AdaptiveSpin``: a spin left unanswered halves the next).
 A peer's answer then costs no wake-up: on this VM a wake-up took 50-250 us, which left small
 all_reduces at 120-300 us in runs where blocking ranks woke each other late op after op
 (docs/performance.md).

@@ -117,6 +117,43 @@ def test_adaptive_spin_halves_unanswered_spins_and_probes_the_whole_budget():
     assert s.budget() == 0.001 and s.budget() == 0.001
 
 
+def _budget_after_late_then_timely_peers(rank, world):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)      # as torchrun sets it: the group may spin
+    try:
+        pg = dist.new_group(backend="pycoll")
+        tcp = pg.communicator.tcp
+        t = torch.ones(2)
+        dist.all_reduce(t, group=pg)
+        for _ in range(8):        # rank 0's spins go unanswered: its budget decays to none
+            if rank == 1:
+                time.sleep(0.02)
+            dist.all_reduce(t, group=pg)
+        decayed = tcp._spins.now
+        if rank == 0:             # the peer's frames are there before rank 0 looks: no wait at all
+            time.sleep(0.05)
+        dist.all_reduce(t, group=pg)
+        restored = tcp._spins.now
+        ok = bool((t == 2 ** 10).all())
+        dist.destroy_process_group(pg)
+        return decayed, restored, tcp.spin, ok
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(CORES < 2, reason="two ranks need a core each to spin")
+def test_a_step_that_never_blocks_restores_the_whole_budget():
+    # A step whose peer's frames were already there never spins; it must still count as a
+    # peer in time, or a budget decayed by a few late peers stays at none, and every later
+    # op blocks and pays the VM's wake-ups (120-300 us all_reduces, docs/performance.md).
+    res = run_ranks(_budget_after_late_then_timely_peers, 2, backend="gloo",
+                    env={"PYCOLL_TRANSPORT": "tcp"})
+    decayed, restored, full, ok = res[0]
+    assert all(r[3] for r in res) and full > 0, res
+    assert decayed < full / 8, res
+    assert restored == full, res
+
+
 def _often_late_peer(rank, world, ops, late):
     before = torch.get_num_threads()
     torch.set_num_threads(1)      # as torchrun sets it: the group may spin

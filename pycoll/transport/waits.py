@@ -76,7 +76,8 @@ def cores_to_spare(local_ranks: int) -> bool:
 class AdaptiveSpin:
     """How long a thread's next wait polls before it blocks, learned from the last ones.
 
-    A spin that the peer answers says spinning pays now: the next gets the whole budget. A
+    A wait that never had to block (the peer answered within the spin, or its frames were
+    already there) says the peers are in step: the next gets the whole budget. A
     spin that ends unanswered cost its time for nothing (the peer is late, or asleep, or
     shares this rank's core and cannot run while this rank spins: then every op costs a
     whole spin), so the next gets half, down to none. Every ``PROBE``-th wait tries the

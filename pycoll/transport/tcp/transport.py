@@ -13,7 +13,9 @@ A step that finds nothing to do keeps polling its sockets before it blocks in ``
 up to ``spin`` seconds (``PYCOLL_TCP_SPIN_US``, 1000 by default, set by the group when every
 local rank has a core to spare), and 0.1 ms at most in the group's worker, which runs
 asynchronous ops while the caller computes (``waits.spin_cap``). How long is learned
-(``waits.AdaptiveSpin``: a spin left unanswered halves the next).
+(``waits.AdaptiveSpin``: a spin left unanswered halves the next, a step that never blocked
+restores it). The poll yields the core at each turn (``sched_yield``), so a thread waiting
+for it, often the one the peer's answer depends on, is not kept off it by the spin.
 A peer's answer then costs no wake-up: on this VM a wake-up took 50-250 us, which left small
 all_reduces at 120-300 us in runs where blocking ranks woke each other late op after op
 (docs/performance.md).
@@ -25,6 +27,7 @@ the step in progress got, per peer (the hang dump asks).
 
 from __future__ import annotations
 
+import os
 import select
 import socket
 import time
@@ -182,7 +185,7 @@ class TcpTransport(FailureHandling, Transport):
             spun = min(budget, waits.spin_cap())
             learn = spun == budget      # a capped spin (the worker's) teaches nothing
             spin_until = time.monotonic() + spun if spun else 0.0
-        spinning = False
+        blocked = False
         try:
             while active or recvs:
                 progressed = False
@@ -191,24 +194,28 @@ class TcpTransport(FailureHandling, Transport):
                 for peer in list(recvs):
                     progressed |= self._recv_some(peer, recvs, what)
                 peer = -1
-                if spinning and progressed:
-                    spinning = False
-                    if learn:
-                        spins.answered()
                 if active or recvs:
                     if self.aborted is not None:
                         raise self._aborted_error(what)
                     if not progressed:
                         if spin_until:
                             if time.monotonic() < spin_until:
-                                spinning = True
+                                # Let a thread that waits for this core run first (the
+                                # peer's wake-up, or a thread it waits for): spinning
+                                # through it stalled ops ~1.3 ms (docs/performance.md).
+                                os.sched_yield()
                                 continue
-                            spin_until, spinning = 0.0, False
+                            spin_until = 0.0
                             if learn:
                                 spins.unanswered(spun)
+                        blocked = True
                         self._wait(active, recvs, deadline, what, peeked)
                     elif time.monotonic() > deadline:
                         raise self._timeout(active, recvs, what)
+            # A step that never blocked had its peers in time, whether it had to poll for
+            # them or found their frames already there: the next gets the whole budget.
+            if learn and not blocked:
+                spins.answered()
         except CommError:
             raise
         except EOFError:

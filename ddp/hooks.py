@@ -4,6 +4,11 @@ A hook replaces a bucket's all-reduce. ``state`` is the process group (or None f
 default group); ``bucket`` is a ``ddp.buckets.GradBucket``. The future must resolve to the
 *averaged* gradients, shaped like ``bucket.buffer()`` (the hook divides, not the reducer).
 These hooks also work with torch's DDP, and torch's hooks work with ours.
+
+On a pycoll group whose ranks share one host, the compression hooks keep each bucket's
+compressed copy in registered memory (``pycoll.shared_scratch``), reused every step, so its
+all-reduce runs in place like our DDP's own buckets; torch's hooks allocate a new tensor
+each step, which takes the staged path.
 """
 
 from __future__ import annotations
@@ -45,11 +50,26 @@ def allreduce_hook(process_group, bucket) -> torch.futures.Future:
     return allreduce_future(buffer, group)
 
 
+def _compressed(group, bucket, buffer: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``buffer`` cast to ``dtype``: into registered memory that the group keeps per bucket
+    on a one-host pycoll group (its all-reduce then runs in place, without staging), into
+    a new tensor elsewhere."""
+    if buffer.device.type == "cpu" and buffer.is_contiguous():
+        try:
+            import pycoll
+        except ImportError:
+            pycoll = None
+        if pycoll is not None and pycoll.can_share_memory(group):
+            out = pycoll.shared_scratch(("ddp.hooks", bucket.index()), buffer.numel(), dtype, group)
+            return out.view(buffer.shape).copy_(buffer)
+    return buffer.to(dtype)
+
+
 def _compress_hook(process_group, bucket, dtype: torch.dtype) -> torch.futures.Future:
     group = _group(process_group)
     buffer = bucket.buffer()
     # Divide after the cast, as torch's hooks do, so both compute bit-identical results.
-    compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+    compressed = _compressed(group, bucket, buffer, dtype).div_(dist.get_world_size(group))
 
     def decompress(fut: torch.futures.Future) -> torch.Tensor:
         buffer.copy_(fut.value())

@@ -14,7 +14,12 @@ import torch.distributed as dist
 
 from pycoll import torch_compat
 from pycoll.c10d.backend import ProcessGroupPycoll, create
-from pycoll.c10d.shared import can_share_memory, empty_shared, is_registered  # registered buffers
+from pycoll.c10d.shared import (  # registered buffers
+    can_share_memory,
+    empty_shared,
+    is_registered,
+    shared_scratch,
+)
 from pycoll.core.work import Work
 from pycoll.cuda.paths import backend_devices
 from pycoll.errors import (
@@ -98,4 +103,4 @@ _register()
 
 __all__ = ["ProcessGroupPycoll", "PycollError", "CommError", "CommTimeoutError", "PeerClosedError",
            "MismatchError", "ProtocolError", "AuthenticationError", "monitored_barrier", "set_algorithm", "shrink", "failed_ranks", "stats", "PartialAllReduce", "BACKEND_NAME",
-           "empty_shared", "can_share_memory", "is_registered"]
+           "empty_shared", "can_share_memory", "is_registered", "shared_scratch"]

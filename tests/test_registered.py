@@ -341,6 +341,54 @@ def test_ddp_on_gloo_keeps_plain_buckets():
     assert not any(res[0][1]) and res[0][2]
 
 
+def _ddp_hook_train(rank, world, hook):
+    import pycoll
+    from ddp import DistributedDataParallel, hooks
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512),
+                              torch.nn.ReLU(), torch.nn.Linear(512, 10))
+    model = DistributedDataParallel(net, bucket_cap_mb=0.5, first_bucket_cap_mb=0.5)
+    model.register_comm_hook(None, getattr(hooks, hook))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    shm = pycoll.can_share_memory()
+    calls, restore = _count_registered() if shm else ([], lambda: None)
+    seen = []
+    try:
+        for _ in range(4):
+            x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            scratch = getattr(dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")),
+                              "_pycoll_scratch", {})
+            seen.append(sorted((k[1], t.data_ptr(), t.dtype, pycoll.is_registered(t)) for k, t in scratch.items()))
+    finally:
+        restore()
+    return [p.detach().clone() for p in net.parameters()], seen, len(calls), len(model.reducer.buckets)
+
+
+@pytest.mark.parametrize("hook", ["fp16_compress_hook", "bf16_compress_hook"])
+def test_compression_hooks_reduce_in_registered_memory(hook):
+    res = run_ranks(_ddp_hook_train, 2, hook, backend="pycoll")
+    ref = run_ranks(_ddp_hook_train, 2, hook, backend="gloo")
+    dtype = torch.float16 if hook.startswith("fp16") else torch.bfloat16
+    for rank in range(2):
+        params, seen, calls, nbuckets = res[rank]
+        # One compressed buffer per bucket, registered, the same memory at every step
+        # (the first step's buckets are rebuilt after it, hence from the second step on).
+        assert nbuckets > 1 and len(seen[1]) == nbuckets, seen
+        assert all(s == seen[1] for s in seen[1:]), seen
+        assert all(reg and dt == dtype for _, _, dt, reg in seen[1]), seen
+        assert calls >= 3 * nbuckets, calls          # reduced in place, step after step
+        # Two ranks: a/2 + b/2 in half precision rounds alike in any order, so registered
+        # on pycoll and plain on gloo agree bit for bit.
+        for a, b in zip(params, ref[rank][0]):
+            assert torch.equal(a, b)
+        assert ref[rank][1] == [[]] * 4              # gloo: no registered scratch
+
+
 def _die_in_registered(rank, world, victim):
     import signal
     import threading

@@ -8,7 +8,9 @@ turns, each turn ``--steps`` steps (the first two untimed), so that a noisy phas
 shared machine hits all alike; per rank it prints the median milliseconds of each phase.
 Configurations: ``indep`` (no DDP), ``ours`` (ddp/ on a pycoll group: shared buckets on one
 host), ``nocomm`` (ours with a comm hook that returns the bucket at once: the copies and hooks
-alone), ``view`` (ours with ``gradient_as_bucket_view``), ``ours_fp16``/``ours_bf16`` (ours with
+alone), ``one`` (ours with all gradients in one bucket, reduced after backward), ``sync``
+(``indep`` plus a 4-byte all_reduce after each step: what waiting for the slower rank costs),
+``view`` (ours with ``gradient_as_bucket_view``), ``ours_fp16``/``ours_bf16`` (ours with
 the compression hooks), ``torch``/``torch_fp16`` (torch's DDP on pycoll), ``torch_gloo``/
 ``torch_gloo_fp16`` (torch's DDP on gloo). For ours, "tail" is the time from the end of backward
 to the gradients written back (``DistributedDataParallel.timeline``), and the last round's
@@ -59,6 +61,8 @@ def _configs(pg, gloo, build):
         "indep": lambda: build(),
         "ours": lambda: Ours(build(), process_group=pg),
         "nocomm": lambda: hooked(Ours(build(), process_group=pg), at_once, None),
+        "one": lambda: Ours(build(), process_group=pg, bucket_cap_mb=1e4, first_bucket_cap_mb=1e4),
+        "sync": lambda: build(),
         "view": lambda: Ours(build(), process_group=pg, gradient_as_bucket_view=True),
         "ours_fp16": lambda: hooked(Ours(build(), process_group=pg), hooks.fp16_compress_hook, pg),
         "ours_bf16": lambda: hooked(Ours(build(), process_group=pg), hooks.bf16_compress_hook, pg),
@@ -85,6 +89,7 @@ def _phases(rank: int, world: int, port: int, args) -> tuple:
     build, inputs = bench_ddp.MODELS[args.model]
     torch.manual_seed(0)
     x, y = inputs(), torch.randint(0, 10, (32,))
+    tiny = torch.zeros(1)
     every = _configs(pg, gloo, build)
     models = {k: every[k]() for k in args.configs}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
@@ -101,6 +106,8 @@ def _phases(rank: int, world: int, port: int, args) -> tuple:
                 loss.backward()
                 t2 = time.perf_counter()
                 opts[k].step()
+                if k == "sync":
+                    dist.all_reduce(tiny, group=pg)
                 t3 = time.perf_counter()
                 if i < 2:
                     continue

@@ -4,7 +4,8 @@
 tensor, so it is unit-tested on plain numbers. ``Bucket`` owns one flat, dtype-homogeneous
 buffer that is allocated once and reused every step; each parameter's gradient lives in a
 view of it. ``GradBucket`` is what a communication hook sees (torch's contract: ``buffer()``,
-``index()``, ``parameters()``, ``gradients()``, ``is_last()``).
+``index()``, ``parameters()``, ``gradients()``, ``is_last()``). ``sharing_pycoll`` says
+whether a group can keep such buffers in pycoll's registered shared memory.
 """
 
 from __future__ import annotations
@@ -133,3 +134,14 @@ def shadow_bucket(bucket: Bucket, is_last: bool) -> GradBucket:
         views.append(zeros[offset:offset + p.numel()].view(p.shape))
         offset += p.numel()
     return GradBucket(bucket.index, zeros, bucket.params, views, is_last)
+
+
+def sharing_pycoll(group):
+    """The ``pycoll`` module when ``group`` is a pycoll group whose ranks share memory (its
+    buffers can be registered: ``pycoll.empty_shared``), else None. ddp/ works without
+    pycoll installed; every rank decides alike (the group's mode is the same everywhere)."""
+    try:
+        import pycoll
+    except ImportError:
+        return None
+    return pycoll if pycoll.can_share_memory(group) else None

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .buckets import sharing_pycoll
+
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "allreduce_future"]
 
 
@@ -54,15 +56,11 @@ def _compressed(group, bucket, buffer: torch.Tensor, dtype: torch.dtype) -> torc
     """``buffer`` cast to ``dtype``: into registered memory that the group keeps per bucket
     on a one-host pycoll group (its all-reduce then runs in place, without staging), into
     a new tensor elsewhere."""
-    if buffer.device.type == "cpu" and buffer.is_contiguous():
-        try:
-            import pycoll
-        except ImportError:
-            pycoll = None
-        if pycoll is not None and pycoll.can_share_memory(group):
-            out = pycoll.shared_scratch(("ddp.hooks", bucket.index()), buffer.numel(), dtype, group)
-            return out.view(buffer.shape).copy_(buffer)
-    return buffer.to(dtype)
+    pycoll = sharing_pycoll(group) if buffer.device.type == "cpu" else None
+    if pycoll is None:
+        return buffer.to(dtype)
+    # (a bucket's buffer is flat, as the scratch is)
+    return pycoll.shared_scratch(("ddp.hooks", bucket.index()), buffer.numel(), dtype, group).copy_(buffer)
 
 
 def _compress_hook(process_group, bucket, dtype: torch.dtype) -> torch.futures.Future:

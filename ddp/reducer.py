@@ -25,7 +25,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .buckets import MB, Bucket, GradBucket, assign_buckets, shadow_bucket
+from .buckets import MB, Bucket, GradBucket, assign_buckets, shadow_bucket, sharing_pycoll
 from .graph import reachable_leaves
 from .timeline import BucketTimes, Timeline
 
@@ -340,13 +340,8 @@ def shared_allocator(group, params: Sequence[torch.Tensor]) -> Callable | None:
     """``alloc(numel, dtype)`` of zeroed buckets in ``group``'s shared memory, or None where
     there is none: not a pycoll group, its ranks not all on one host, or not CPU tensors.
     Every rank decides alike (the group's mode and the model are the same everywhere)."""
-    if any(p.device.type != "cpu" for p in params):
-        return None
-    try:
-        import pycoll
-    except ImportError:
-        return None
-    if not pycoll.can_share_memory(group):
+    pycoll = sharing_pycoll(group) if all(p.device.type == "cpu" for p in params) else None
+    if pycoll is None:
         return None
     return lambda numel, dtype: pycoll.empty_shared(numel, dtype=dtype, group=group).zero_()
 

@@ -361,8 +361,8 @@ def _ddp_hook_train(rank, world, hook):
             opt.zero_grad()
             torch.nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-            scratch = getattr(dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu")),
-                              "_pycoll_scratch", {})
+            backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+            scratch = backend.communicator.scratch if hasattr(backend, "communicator") else {}
             seen.append(sorted((k[1], t.data_ptr(), t.dtype, pycoll.is_registered(t)) for k, t in scratch.items()))
     finally:
         restore()

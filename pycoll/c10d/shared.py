@@ -84,15 +84,12 @@ def shared_scratch(key, numel: int, dtype: torch.dtype, group=None) -> torch.Ten
     tensor at every call while ``numel`` and ``dtype`` stay the same, a new one (through
     ``empty_shared``, so a collective) when they change or at the first call. For per-step
     buffers such as a DDP comm hook's compressed bucket: every rank must make the same
-    calls in the same order. An ordinary tensor on groups that cannot share memory.
+    calls in the same order. An ordinary tensor on pycoll groups that cannot share memory.
 
     The caller owns the contents; a tensor is reused while an earlier user may still hold
-    it, so only one use of a key may be in flight at a time. The group drops its tensors
-    when it is destroyed."""
-    backend = _backend(group)
-    cache = getattr(backend, "_pycoll_scratch", None)
-    if cache is None:
-        cache = backend._pycoll_scratch = {}
+    it, so only one use of a key may be in flight at a time. Destroying the group drops them
+    (``Communicator.shutdown``)."""
+    cache = _backend(group).communicator.scratch
     t = cache.get(key)
     if t is None or t.numel() != numel or t.dtype != dtype:
         cache.pop(key, None)    # (its memory goes back to the heap before the new block)

@@ -58,6 +58,7 @@ class Communicator:
         self.mode, self.tcp, self.transport, self.executor = w.mode, w.tcp, w.transport, w.executor
         self.arena, self.local_ranks, self.host_of = w.arena, w.local_ranks, w.host_of
         self.heap = None   # registered memory (pycoll.empty_shared), made by its first call
+        self.scratch: dict = {}   # pycoll.shared_scratch's tensors, by key
         self.leaders, self.leader_executor = w.leaders, w.leader_executor
         self.executor.on_step = obs.step
         if self.leader_executor is not None:
@@ -282,6 +283,7 @@ class Communicator:
         self.transport.close()
         if self.arena is not None:
             self.arena.close()
+        self.scratch.clear()    # (before the heap: their blocks go back to it)
         if self.heap is not None:
             self.heap.close()
         self.runner.close()

@@ -5,12 +5,14 @@ tensor, so it is unit-tested on plain numbers. ``Bucket`` owns one flat, dtype-h
 buffer that is allocated once and reused every step; each parameter's gradient lives in a
 view of it. ``GradBucket`` is what a communication hook sees (torch's contract: ``buffer()``,
 ``index()``, ``parameters()``, ``gradients()``, ``is_last()``). ``sharing_pycoll`` says
-whether a group can keep such buffers in pycoll's registered shared memory.
+whether a group can keep such buffers in pycoll's registered shared memory;
+``overlap_pays`` whether reducing buckets during backward can gain anything on this host.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+import os
 from typing import Callable, Hashable, Sequence
 
 import torch
@@ -145,3 +147,23 @@ def sharing_pycoll(group):
     except ImportError:
         return None
     return pycoll if pycoll.can_share_memory(group) else None
+
+
+def overlap_pays(local_ranks: int, threads: int, cores: int) -> bool:
+    """Whether a bucket's all-reduce during backward can run beside the compute.
+
+    Each of the ``local_ranks`` processes on this host computes with ``threads`` threads and
+    reduces on one more (its process group's worker). Only where ``cores`` leave every
+    worker a core of its own does the overlap hide the reduction; otherwise the reduction's
+    copies take a core from some rank's backward (it is CPU work, not a DMA engine's), so
+    overlapping adds switches and cache misses and hides nothing (docs/ddp.md, "No overlap
+    where no core is spare")."""
+    return cores - local_ranks * threads >= local_ranks
+
+
+def host_cores() -> int:
+    """The cores this process may run on (its affinity mask, as torch's own thread count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1

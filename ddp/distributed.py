@@ -30,10 +30,16 @@ class DistributedDataParallel(Module, Joinable):
 
     ``shared_buckets``: None (the default) allocates the gradient buckets in memory that the
     group's ranks share when the group is a pycoll group on one host (``pycoll.empty_shared``),
-    so that each bucket's all_reduce runs in place; False keeps ordinary buckets."""
+    so that each bucket's all_reduce runs in place; False keeps ordinary buckets.
 
-    def __init__(self, module: Module, process_group=None, bucket_cap_mb: float = 25,
-                 first_bucket_cap_mb: float = 1, find_unused_parameters: bool = False,
+    ``bucket_cap_mb`` / ``first_bucket_cap_mb``: None (the default) means torch's 25 and 1 MB,
+    except on such a one-host pycoll group whose host has no core to spare for the group's
+    worker thread (local ranks x torch threads + one worker each > cores): there all
+    gradients go in one bucket, reduced once backward ends, since overlapping would only
+    take cores from backward. A number is used as given."""
+
+    def __init__(self, module: Module, process_group=None, bucket_cap_mb: float | None = None,
+                 first_bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True,
                  static_graph: bool = False, sync: str = "full", max_staleness: int = 4,
                  activation_delay: float = 0.01, shared_buckets: bool | None = None) -> None:

@@ -18,6 +18,7 @@ rank's observed order, the same on every rank; see ``rebuild_if_pending``).
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from typing import Any, Callable, Sequence
@@ -25,7 +26,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .buckets import MB, Bucket, GradBucket, assign_buckets, shadow_bucket, sharing_pycoll
+from .buckets import (MB, Bucket, GradBucket, assign_buckets, host_cores, overlap_pays, shadow_bucket,
+                      sharing_pycoll)
 from .graph import reachable_leaves
 from .timeline import BucketTimes, Timeline
 
@@ -34,7 +36,7 @@ _now = time.perf_counter
 
 class Reducer:
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], group,
-                 bucket_cap_mb: float, first_bucket_cap_mb: float, find_unused: bool,
+                 bucket_cap_mb: float | None, first_bucket_cap_mb: float | None, find_unused: bool,
                  grad_as_view: bool, static_graph: bool, shared_buckets: bool | None = None) -> None:
         self.params, self.names = list(params), list(names)
         self.group = group
@@ -42,8 +44,14 @@ class Reducer:
         # host): its all_reduce then works in place on every rank's bucket, without staging.
         self._alloc = shared_allocator(group, self.params) if shared_buckets is not False else None
         self.world = dist.get_world_size(group)
-        self.cap = max(1, int(bucket_cap_mb * MB))
-        self.first_cap = max(1, int(first_bucket_cap_mb * MB))
+        # bucket_cap_mb=None: torch's 25 MB (first bucket 1 MB), unless the ranks share a host
+        # whose cores are all computing; then one bucket, reduced once backward is done.
+        self.overlap = bucket_cap_mb is not None or self._alloc is None or self._overlap_pays()
+        if self.overlap:
+            self.cap = max(1, int((25 if bucket_cap_mb is None else bucket_cap_mb) * MB))
+            self.first_cap = max(1, int((1 if first_bucket_cap_mb is None else first_bucket_cap_mb) * MB))
+        else:
+            self.cap = self.first_cap = sys.maxsize
         self.find_unused, self.grad_as_view, self.static_graph = find_unused, grad_as_view, static_graph
         self.comm_hook: Callable | None = None
         self.comm_state: Any = None
@@ -66,6 +74,13 @@ class Reducer:
         handles = [p.register_post_accumulate_grad_hook(_ready_hook(me, i)) for i, p in enumerate(self.params)]
         # A dropped wrapper (re-wrapped after a shrink, say) takes its hooks off the parameters.
         weakref.finalize(self, _remove_hooks, handles)
+
+    def _overlap_pays(self) -> bool:
+        """``overlap_pays`` for this host, agreed by every rank (their thread counts may
+        differ, and every rank must cut the same buckets)."""
+        pays = torch.tensor([int(overlap_pays(self.world, torch.get_num_threads(), host_cores()))])
+        dist.all_reduce(pays, op=dist.ReduceOp.MIN, group=self.group)
+        return bool(pays.item())
 
     # ---- layout -----------------------------------------------------------------------
     def _build(self, order: list[int]) -> None:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ddp
-from ddp.buckets import assign_buckets
+from ddp.buckets import assign_buckets, host_cores, overlap_pays
 from tests.harness import run_ranks
 from tests.test_ddp import backend  # noqa: F401  (the gloo/pycoll fixture)
 from tests.test_ddp_support import Unused, batches, loss_fn, mlp
@@ -58,6 +58,49 @@ def test_assignment_invariants(params, first_cap, cap, rnd) -> None:
         assert sum(sizes[i] for i in b[:-1]) < limit           # only the last one may overflow
     firsts = [pos[b[0]] for b in buckets]
     assert firsts == sorted(firsts)                            # launch order = ready order
+
+
+def test_overlap_pays_only_where_every_worker_has_a_core() -> None:
+    # ranks x threads for compute, plus one worker a rank
+    assert not overlap_pays(local_ranks=2, threads=1, cores=2)      # this CI machine
+    assert not overlap_pays(local_ranks=2, threads=1, cores=3)
+    assert overlap_pays(local_ranks=2, threads=1, cores=4)
+    assert not overlap_pays(local_ranks=4, threads=4, cores=16)
+    assert overlap_pays(local_ranks=1, threads=1, cores=2)
+    assert not overlap_pays(local_ranks=1, threads=2, cores=2)
+
+
+def default_caps_rank(rank: int, world: int, threads: list) -> tuple:
+    """Buckets that DistributedDataParallel's default caps cut, with ``threads[rank]`` torch
+    threads (None: one per core) on this rank."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads[rank] or host_cores())
+    try:
+        torch.manual_seed(0)
+        net = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)])   # 1 MiB a weight
+        model = ddp.DistributedDataParallel(net)
+        explicit = ddp.DistributedDataParallel(net, bucket_cap_mb=25, first_bucket_cap_mb=1)
+        x = torch.randn(4, 512)
+        model(x).sum().backward()                  # trains the same either way
+        return (len(model.bucket_indices()), model.reducer.overlap,
+                len(explicit.bucket_indices()), explicit.reducer.overlap, host_cores())
+    finally:
+        torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("threads", [(None, None), (1, None), (1, 1)])
+def test_default_buckets_one_where_no_core_is_spare(backend, threads) -> None:
+    """pycoll on one host: torch's 25/1 MB caps where each rank's worker has a core of its
+    own, else one bucket reduced after backward; every rank cuts the same (rank 1 may run
+    more threads than rank 0). Other backends always get torch's caps; a number given is
+    always used."""
+    got = run_ranks(default_caps_rank, 2, list(threads), backend=backend)
+    cores = got[0][4]
+    one = backend == "pycoll" and not all(
+        overlap_pays(2, t or cores, cores) for t in threads)
+    for n, overlap, n_explicit, overlap_explicit, _ in got:
+        assert (n, overlap) == ((1, False) if one else (2, True)), (backend, threads, got)
+        assert (n_explicit, overlap_explicit) == (2, True)
 
 
 # ---- errors, never hangs ----------------------------------------------------------------

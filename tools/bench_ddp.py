@@ -157,7 +157,8 @@ def speed_rank(rank: int, world: int, port: int, opts: dict) -> dict:
     configs += [(m, impl, be, {}) for m in opts["models"] for be in groups for impl in IMPLS]
     if opts.get("staged") and "pycoll" in groups:   # ours with ordinary buckets: before/after in one run
         configs += [(m, "ours-staged", "pycoll", {}) for m in opts["models"]]
-    configs += [("mlp", "ours", be, {"bucket_cap_mb": cap}) for cap in opts["sweep"] for be in groups]
+    configs += [(m, "ours", be, {"bucket_cap_mb": cap}) for m in opts["sweep_models"]
+                for cap in opts["sweep"] for be in groups]
     for r in range(opts["rounds"]):
         shift = r % len(configs)
         for m, impl, be, kw in configs[shift:] + configs[:shift]:
@@ -284,11 +285,33 @@ def print_speed(summary: dict, opts: dict, note: str) -> None:
             ratio = (lambda a, b: None if a is None or b is None else a / b)
             print(" | ".join([m, _fmt(reg), _fmt(st), _fmt(ratio(reg, st)), _fmt(ratio(reg, indep)),
                               _fmt(ratio(st, indep))]))
-    if opts["sweep"]:
-        print("\nbucket_cap_mb sweep, ours on the mlp, steps/s")
+    for m in opts["sweep_models"] if opts["sweep"] else []:
+        print(f"\nbucket_cap_mb sweep, ours on the {m}, steps/s")
         for be in ("gloo", "pycoll"):
-            print(f"{be:7s}", "  ".join(f"{cap:g}MB: {_fmt(_rate(rates, 'mlp', 'ours', be, cap))}"
+            print(f"{be:7s}", "  ".join(f"{cap:g}MB: {_fmt(_rate(rates, m, 'ours', be, cap))}"
                                          for cap in opts["sweep"]))
+    print_round_ratios(summary, opts)
+
+
+def print_round_ratios(summary: dict, opts: dict) -> None:
+    """Each configuration against ``independent`` round by round (the rounds run every
+    configuration seconds apart, so a ratio within a round is steadier than the ratio of
+    medians on a machine whose speed drifts): the median and range of those ratios."""
+    per_round = summary["per_round"]
+    print("\nagainst independent, per round: median [min-max]")
+    for m in opts["models"]:
+        base = per_round.get(json.dumps([m, "independent", None, None]))
+        if not base:
+            continue
+        cells = []
+        for key, rates in per_round.items():
+            km, impl, be, cap = json.loads(key)
+            if km != m or impl in ("independent", "single") or not rates:
+                continue
+            ratios = [r / b for r, b in zip(rates, base)]
+            name = f"{impl}/{be}" + ("" if cap is None else f"@{cap:g}MB")
+            cells.append(f"{name} {statistics.median(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]")
+        print(f"{m}: " + "; ".join(cells))
 
 
 MMAP_FIXED = "glibc.malloc.mmap_threshold=1048576"
@@ -385,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--sweep", default="0.25,1,5,25,100", help="bucket_cap_mb values; '' for none")
+    p.add_argument("--sweep-models", default="mlp", help="models the sweep runs on")
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--no-pycoll", action="store_true")
     p.add_argument("--staged", action="store_true",
@@ -400,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"models": [m for m in a.models.split(",") if m], "world": a.world_size,
             "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "pycoll": ok,
             "sweep": [float(c) for c in a.sweep.split(",") if c], "timeout": a.timeout,
+            "sweep_models": [m for m in a.sweep_models.split(",") if m],
             "staged": a.staged and ok}
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, world size {a.world_size}, "
           f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")

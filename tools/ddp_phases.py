@@ -8,7 +8,9 @@ turns, each turn ``--steps`` steps (the first two untimed), so that a noisy phas
 shared machine hits all alike; per rank it prints the median milliseconds of each phase.
 Configurations: ``indep`` (no DDP), ``ours`` (ddp/ on a pycoll group: shared buckets on one
 host), ``nocomm`` (ours with a comm hook that returns the bucket at once: the copies and hooks
-alone), ``one`` (ours with all gradients in one bucket, reduced after backward), ``sync``
+alone), ``one`` (ours with all gradients in one bucket, reduced after backward: what ``ours``
+does where no core is spare, ``ddp.buckets.overlap_pays``), ``overlap`` (ours with torch's 25 MB
+buckets, reduced during backward, whatever the cores), ``sync``
 (``indep`` plus a 4-byte all_reduce after each step: what waiting for the slower rank costs),
 ``view`` (ours with ``gradient_as_bucket_view``), ``ours_fp16``/``ours_bf16`` (ours with
 the compression hooks), ``torch``/``torch_fp16`` (torch's DDP on pycoll), ``torch_gloo``/
@@ -62,6 +64,7 @@ def _configs(pg, gloo, build):
         "ours": lambda: Ours(build(), process_group=pg),
         "nocomm": lambda: hooked(Ours(build(), process_group=pg), at_once, None),
         "one": lambda: Ours(build(), process_group=pg, bucket_cap_mb=1e4, first_bucket_cap_mb=1e4),
+        "overlap": lambda: Ours(build(), process_group=pg, bucket_cap_mb=25, first_bucket_cap_mb=1),
         "sync": lambda: build(),
         "view": lambda: Ours(build(), process_group=pg, gradient_as_bucket_view=True),
         "ours_fp16": lambda: hooked(Ours(build(), process_group=pg), hooks.fp16_compress_hook, pg),

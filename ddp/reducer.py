@@ -358,7 +358,9 @@ def shared_allocator(group, params: Sequence[torch.Tensor]) -> Callable | None:
     pycoll = sharing_pycoll(group) if all(p.device.type == "cpu" for p in params) else None
     if pycoll is None:
         return None
-    return lambda numel, dtype: pycoll.empty_shared(numel, dtype=dtype, group=group).zero_()
+    # cache=False: a bucket lives until a rebuild replaces it, usually by buckets of other
+    # sizes, which a cached block would never serve while holding its pages.
+    return lambda numel, dtype: pycoll.empty_shared(numel, dtype=dtype, group=group, cache=False).zero_()
 
 
 def _remove_hooks(handles) -> None:

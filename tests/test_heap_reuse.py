@@ -11,6 +11,7 @@ every rank, or the collective fails with a MismatchError).
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -108,3 +109,50 @@ def test_the_cache_holds_at_most_its_bound_and_destroy_empties_it(cap, blocks):
     res = run_ranks(_bounded, 2, backend="pycoll", env={"PYCOLL_SHM_HEAP_CACHE_BYTES": str(cap)})
     for s in res:
         assert s == {"cached": blocks, "bytes": blocks * 40 * 4096, "after_destroy": 0}, res
+
+
+def _heap_rss() -> int:
+    """Bytes of the group's heap mappings resident in this process (its own pages and the
+    peers' it has touched), from /proc/self/smaps."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if not line[0].isupper():            # a mapping's header line
+                inside = "pycoll-heap" in line
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+BIG = 4 << 20       # bytes: a registered all_reduce of this touches half the peer's copy
+
+
+def _pages_on_free(rank, world, cache):
+    import pycoll
+
+    x = pycoll.empty_shared(BIG // 4, group=None, cache=cache)
+    ok = _summed(x, rank, world)
+    before = _heap_rss()
+    del x
+    gc.collect()
+    dist.barrier()          # every rank has let its copy go
+    # A peer's pages leave this rank's memory when that peer frees its block, which its
+    # group's worker may do a moment after the barrier (it drops an op's tensors later).
+    want, deadline = BIG + BIG // 2 - 64 * 1024, time.monotonic() + 5
+    while not cache and before - _heap_rss() < want and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return {"ok": ok, "cached": _heap().cached_blocks(), "dropped": before - _heap_rss()}
+
+
+@pytest.mark.parametrize("cache", [True, False])
+def test_a_block_made_without_cache_gives_its_pages_back(cache):
+    """cache=False (DDP's buckets): the block's pages leave every rank's memory when the
+    ranks free it, the peers' pages that a rank touched included; the default keeps them
+    resident for the next block of that size."""
+    res = run_ranks(_pages_on_free, 2, cache, backend="pycoll")
+    for s in res:
+        assert s["ok"], res
+        if cache:
+            assert s["cached"] == 1 and s["dropped"] < BIG // 4, res
+        else:   # its own 4 MiB and the 2 MiB of the peer's copy it reduced
+            assert s["cached"] == 0 and s["dropped"] >= BIG + BIG // 2 - 64 * 1024, res

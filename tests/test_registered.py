@@ -336,6 +336,40 @@ def test_ddp_registered_buckets_equal_plain(view):
         assert torch.equal(a, b)
 
 
+class _Reordered(torch.nn.Module):
+    """parameters() order is not the backward order, and the rebuild changes bucket sizes."""
+
+    def __init__(self):
+        super().__init__()
+        self.late, self.mid, self.early = (torch.nn.Linear(512, 700), torch.nn.Linear(256, 512),
+                                           torch.nn.Linear(256, 256))
+
+    def forward(self, x):
+        return self.late(torch.relu(self.mid(torch.relu(self.early(x)))))
+
+
+def _ddp_rebuild_memory(rank, world):
+    from ddp import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(_Reordered(), bucket_cap_mb=1.2, first_bucket_cap_mb=0.2)
+    before = [b.nbytes for b in model.reducer.buckets]
+    x = torch.randn(4, 256)
+    for _ in range(3):
+        model(x).sum().backward()
+    heap = dist.distributed_c10d._get_default_group().communicator.heap
+    gc.collect()
+    return before, [b.nbytes for b in model.reducer.buckets], heap.cached_blocks(), heap.live_blocks()
+
+
+def test_ddp_rebuild_gives_the_old_buckets_memory_back():
+    """Buckets replaced by a rebuild release their pages (not kept in the heap's cache,
+    where blocks of their sizes would never be asked for again)."""
+    for before, after, cached, live in run_ranks(_ddp_rebuild_memory, 2, backend="pycoll"):
+        assert sorted(before) != sorted(after), (before, after)     # the rebuild changed sizes
+        assert cached == 0 and live == len(after), (cached, live, after)
+
+
 def test_ddp_on_gloo_keeps_plain_buckets():
     res = run_ranks(_ddp_train, 2, True, None, 0.25, backend="gloo")
     assert not any(res[0][1]) and res[0][2]

@@ -44,13 +44,17 @@ def can_share_memory(group=None) -> bool:
         return False
 
 
-def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None) -> torch.Tensor:
+def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None, *,
+                 cache: bool = True) -> torch.Tensor:
     """An uninitialised CPU tensor in ``group``'s shared heap (a collective: call it on
     every rank of the group, in the same order, with the same shape and dtype).
 
-    The memory is freed when the tensor (and every view of it) is gone; destroying the
-    group frees what no tensor uses any more, and a killed process leaks nothing. A tensor
-    stays valid after its group is destroyed, as ordinary memory."""
+    The memory is freed when the tensor (and every view of it) is gone: with ``cache``
+    (the default, for buffers made anew every step) the group keeps its block, pages
+    resident, for its next tensor of the same size; with ``cache=False`` (long-lived
+    buffers) its pages go back to the system at once. Destroying the group frees what no
+    tensor uses any more, and a killed process leaks nothing. A tensor stays valid after
+    its group is destroyed, as ordinary memory."""
     if isinstance(shape, int):
         shape = (shape,)
     shape = tuple(int(s) for s in shape)
@@ -70,7 +74,7 @@ def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None) -> torch
             arena = comm.arena
             comm.heap = SharedHeap(backend.get_group_store(), "pycoll/heap", arena.me, arena.size,
                                    comm.timeout)
-        got.append(shm_registered.allocate(comm.arena, comm.heap, nbytes, seq, deadline))
+        got.append(shm_registered.allocate(comm.arena, comm.heap, nbytes, seq, deadline, cache))
 
     comm.submit("empty_shared", [], task, True).wait()
     if got[0] is None:
@@ -93,7 +97,7 @@ def shared_scratch(key, numel: int, dtype: torch.dtype, group=None) -> torch.Ten
     t = cache.get(key)
     if t is None or t.numel() != numel or t.dtype != dtype:
         cache.pop(key, None)    # (its memory goes back to the heap before the new block)
-        t = cache[key] = empty_shared(numel, dtype, group)
+        t = cache[key] = empty_shared(numel, dtype, group, cache=False)   # long-lived
     return t
 
 

@@ -215,9 +215,12 @@ def reduce_scatter(arena: ShmArena, heap: SharedHeap | None, out: torch.Tensor, 
 
 
 # -- allocation ------------------------------------------------------------------------
-def allocate(arena: ShmArena, heap: SharedHeap, nbytes: int, seq: int, deadline: float):
+def allocate(arena: ShmArena, heap: SharedHeap, nbytes: int, seq: int, deadline: float,
+             cache: bool = True):
     """The collective behind ``empty_shared``: every local rank allocates ``nbytes`` at the
     same offset, or all fail. Returns (block, numpy uint8 array) or None for 0 bytes.
+    ``cache``: ``SharedHeap.alloc``'s (a rank's own choice: it only decides what this rank
+    does with its block when the block dies).
 
     Word 7 (not compared) carries the cached block each rank proposes; it is reused only
     when every rank proposed the same one (``transport.shm.registered``: Agreement)."""
@@ -234,4 +237,4 @@ def allocate(arena: ShmArena, heap: SharedHeap, nbytes: int, seq: int, deadline:
     if not nbytes:
         return None
     agreed = reuse if all(arena.peer_word(q, 7) == reuse for q in range(arena.size)) else 0
-    return heap.alloc(nbytes, deadline, reuse=agreed)
+    return heap.alloc(nbytes, deadline, reuse=agreed, cache=cache)

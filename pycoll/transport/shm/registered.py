@@ -24,7 +24,10 @@ collectors free in different orders still agree; they merely bump more.
 Reuse is what makes per-step buffers cheap (FSDP2 allocates its all_gather outputs and
 reduce_scatter inputs every step): a cached block's pages stay resident, so it costs no
 page faults and no chunk creation. The cache holds at most ``PYCOLL_SHM_HEAP_CACHE_BYTES``
-(default 1 GiB) a rank; a block freed beyond that is released at once.
+(default 1 GiB) a rank; a block freed beyond that is released at once, and so is a block
+allocated with ``cache=False`` (long-lived buffers, such as DDP's buckets: those a rebuild
+replaces are of other sizes, and cached they would hold their pages, and the peers' pages
+read through them, until the group is destroyed).
 
 Lifetime. A chunk's segment is created by local rank 0 and mapped by the others through
 ``/proc/<pid>/fd/<n>``, as the arena is (``arena.py``); rank 0 closes its descriptor once
@@ -127,10 +130,12 @@ class SharedHeap:
             free = self._cache.get(_round(nbytes))
             return min(free) + 1 if free else 0
 
-    def alloc(self, nbytes: int, deadline: float, reuse: int = 0) -> tuple[Block, np.ndarray]:
+    def alloc(self, nbytes: int, deadline: float, reuse: int = 0,
+              cache: bool = True) -> tuple[Block, np.ndarray]:
         """A block of ``nbytes`` (> 0) and this rank's copy of it as a numpy uint8 array:
         the cached block ``reuse`` names (what ``reusable`` said, agreed by every rank), or
-        a bumped one.
+        a bumped one. ``cache``: whether the block goes into the cache when the array dies
+        (else its pages are released at once).
 
         Collective when it needs a new chunk (local rank 0 creates it, all map it). The
         block lives as long as the array (and whatever keeps the array alive)."""
@@ -141,7 +146,7 @@ class SharedHeap:
             if reuse:
                 cur, off = self._take(n, reuse - 1)
                 cur.live += 1
-                return self._array(cur, off, nbytes, n)
+                return self._array(cur, off, nbytes, n, cache)
             cur = self._fitting(n)
             if cur is None:
                 full = self._open_chunk()
@@ -152,7 +157,7 @@ class SharedHeap:
             off = cur.used
             cur.used += n
             cur.live += 1
-        return self._array(cur, off, nbytes, n)
+        return self._array(cur, off, nbytes, n, cache)
 
     def _take(self, n: int, global_offset: int) -> tuple[Chunk, int]:
         free = self._cache.get(n)
@@ -164,9 +169,9 @@ class SharedHeap:
         self.cached -= n
         return chunk, off
 
-    def _array(self, cur: Chunk, off: int, nbytes: int, n: int) -> tuple[Block, np.ndarray]:
+    def _array(self, cur: Chunk, off: int, nbytes: int, n: int, cache: bool) -> tuple[Block, np.ndarray]:
         arr = np.frombuffer(cur.mm, dtype=np.uint8, count=nbytes, offset=self.me * cur.length + off)
-        weakref.finalize(arr, _release, weakref.ref(self), cur, off, n)
+        weakref.finalize(arr, _release, weakref.ref(self), cur, off, n, cache)
         return Block(cur, off), arr
 
     def _new_chunk(self, length: int, deadline: float) -> Chunk:
@@ -215,11 +220,11 @@ class SharedHeap:
         except BufferError:
             pass   # a view somebody still holds; the mapping goes with it
 
-    def free(self, chunk: Chunk, offset: int, n: int) -> None:
+    def free(self, chunk: Chunk, offset: int, n: int, cache: bool = True) -> None:
         with self._lock:
             chunk.live -= 1
             mm = chunk.mm
-            if mm is not None and not self.closed and self.cached + n <= self.cache_bytes:
+            if cache and mm is not None and not self.closed and self.cached + n <= self.cache_bytes:
                 self._cache.setdefault(n, {})[chunk.start + offset] = (chunk, offset)
                 chunk.cached += 1
                 self.cached += n
@@ -253,10 +258,10 @@ class SharedHeap:
             self.chunks = []
 
 
-def _release(heap_ref, chunk: Chunk, offset: int, n: int) -> None:
+def _release(heap_ref, chunk: Chunk, offset: int, n: int, cache: bool) -> None:
     heap = heap_ref()
     if heap is not None:
-        heap.free(chunk, offset, n)
+        heap.free(chunk, offset, n, cache)
 
 
 def _round(nbytes: int) -> int:

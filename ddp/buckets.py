@@ -149,21 +149,22 @@ def sharing_pycoll(group):
     return pycoll if pycoll.can_share_memory(group) else None
 
 
-def overlap_pays(local_ranks: int, threads: int, cores: int) -> bool:
+def overlap_pays(threads: Sequence[int], cores: int) -> bool:
     """Whether a bucket's all-reduce during backward can run beside the compute.
 
-    Each of the ``local_ranks`` processes on this host computes with ``threads`` threads and
-    reduces on one more (its process group's worker). Only where ``cores`` leave every
-    worker a core of its own does the overlap hide the reduction; otherwise the reduction's
-    copies take a core from some rank's backward (it is CPU work, not a DMA engine's), so
-    overlapping adds switches and cache misses and hides nothing (docs/ddp.md, "No overlap
-    where no core is spare")."""
-    return cores - local_ranks * threads >= local_ranks
+    ``threads[r]``: the torch threads local rank r computes with; ``cores``: the cores the
+    ranks may run on (the union of their affinity masks). Each rank reduces on one more
+    thread (its process group's worker). Only where the cores leave every worker one of its
+    own does the overlap hide the reduction; otherwise the reduction's copies take a core
+    from some rank's backward (it is CPU work, not a DMA engine's), so overlapping adds
+    switches and cache misses and hides nothing (docs/ddp.md, "No overlap where no core is
+    spare")."""
+    return cores >= sum(t + 1 for t in threads)
 
 
-def host_cores() -> int:
-    """The cores this process may run on (its affinity mask, as torch's own thread count)."""
+def host_cpus() -> set[int]:
+    """The CPUs this process may run on (its affinity mask, as torch's own thread count)."""
     try:
-        return len(os.sched_getaffinity(0))
+        return set(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return set(range(os.cpu_count() or 1))

@@ -32,21 +32,31 @@ class DistributedDataParallel(Module, Joinable):
     group's ranks share when the group is a pycoll group on one host (``pycoll.empty_shared``),
     so that each bucket's all_reduce runs in place; False keeps ordinary buckets.
 
-    ``bucket_cap_mb`` / ``first_bucket_cap_mb``: None (the default) means torch's 25 and 1 MB,
-    except on such a one-host pycoll group whose host has no core to spare for the group's
-    worker thread (local ranks x torch threads + one worker each > cores): there all
-    gradients go in one bucket, reduced once backward ends, since overlapping would only
-    take cores from backward. A number is used as given."""
+    The arguments are torch's, in torch's order (``first_bucket_cap_mb`` and what follows it
+    are ours, keyword-only). ``device_ids``/``output_device`` may only name the device the
+    module already lives on (inputs are not moved); ``dim`` and ``check_reduction`` are
+    accepted and unused, as in torch for modules on one device; ``init_sync=False`` skips
+    the same-model check and the broadcast from rank 0.
 
-    def __init__(self, module: Module, process_group=None, bucket_cap_mb: float | None = None,
-                 first_bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, broadcast_buffers: bool = True,
-                 static_graph: bool = False, sync: str = "full", max_staleness: int = 4,
-                 activation_delay: float = 0.01, shared_buckets: bool | None = None) -> None:
+    ``bucket_cap_mb`` / ``first_bucket_cap_mb``: None for both (the default) means torch's
+    25 and 1 MB, except on a one-host pycoll group whose cores cannot give each rank's
+    collective worker one of its own (``ddp.buckets.overlap_pays``): there the gradients go
+    in one bucket per dtype, reduced once backward ends, since overlapping would only take
+    cores from backward. A cap you pass (either) is used, the other being torch's."""
+
+    def __init__(self, module: Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False, *, first_bucket_cap_mb: float | None = None,
+                 sync: str = "full", max_staleness: int = 4, activation_delay: float = 0.01,
+                 shared_buckets: bool | None = None) -> None:
         super().__init__()
         Joinable.__init__(self)
         if not dist.is_initialized():
             raise RuntimeError("DistributedDataParallel needs torch.distributed.init_process_group first")
+        _check_devices(module, device_ids, output_device)
+        del dim, check_reduction   # torch's, for scattering inputs / long deprecated
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.process_group)
@@ -60,8 +70,9 @@ class DistributedDataParallel(Module, Joinable):
 
         named_params = list(module.named_parameters())  # tied parameters appear once
         named_buffers = list(module.named_buffers())
-        verify_same_model(named_params + named_buffers, self.process_group)
-        broadcast_tensors(self.state_tensors(), 0, self.process_group)
+        if init_sync:   # (False: the caller vouches that every rank holds the same model)
+            verify_same_model(named_params + named_buffers, self.process_group)
+            broadcast_tensors(self.state_tensors(), 0, self.process_group)
         trainable = [(n, p) for n, p in named_params if p.requires_grad]
         if not trainable:
             raise RuntimeError("DistributedDataParallel is not needed for a module with no "
@@ -145,3 +156,18 @@ class DistributedDataParallel(Module, Joinable):
     def bucket_indices(self) -> list[list[int]]:
         """Each bucket's parameters as indices into the trainable ``parameters()``."""
         return self.reducer.bucket_indices()
+
+
+def _check_devices(module: Module, device_ids, output_device) -> None:
+    """torch's ``device_ids``/``output_device`` are for moving inputs to the module's device,
+    which this DDP does not do: accept them only where they name that device already."""
+    if device_ids is None and output_device is None:
+        return
+    devices = {p.device for p in module.parameters()}
+    named = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d)
+             for d in list(device_ids or []) + ([output_device] if output_device is not None else [])]
+    if len(devices) != 1 or any(d != next(iter(devices)) for d in named):
+        raise ValueError(
+            f"DistributedDataParallel: device_ids={device_ids!r}, output_device={output_device!r} "
+            f"must be None or name the one device the module's parameters are on "
+            f"({sorted(map(str, devices))}); this DDP does not move inputs between devices")

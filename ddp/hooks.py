@@ -11,8 +11,8 @@ all-reduce runs in place like our DDP's own buckets; torch's hooks allocate a ne
 each step, which takes the staged path.
 """
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: torch's DDP checks that a hook's return
+# annotation *is* ``torch.futures.Future[torch.Tensor]`` (a string would be refused).
 import torch
 import torch.distributed as dist
 
@@ -21,7 +21,7 @@ from .buckets import sharing_pycoll
 __all__ = ["allreduce_hook", "fp16_compress_hook", "bf16_compress_hook", "allreduce_future"]
 
 
-def allreduce_future(tensor: torch.Tensor, group) -> torch.futures.Future:
+def allreduce_future(tensor: torch.Tensor, group) -> torch.futures.Future[torch.Tensor]:
     """Start a SUM all-reduce of ``tensor`` in place; a future that resolves to ``tensor``.
 
     Uses the Work's future when the backend offers one, so the reduction overlaps with
@@ -44,7 +44,7 @@ def _group(state):
     return state if state is not None else dist.group.WORLD
 
 
-def allreduce_hook(process_group, bucket) -> torch.futures.Future:
+def allreduce_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """The plain averaging all-reduce, as a hook (same result as registering no hook)."""
     group = _group(process_group)
     buffer = bucket.buffer()
@@ -63,7 +63,7 @@ def _compressed(group, bucket, buffer: torch.Tensor, dtype: torch.dtype) -> torc
     return pycoll.shared_scratch(("ddp.hooks", bucket.index()), buffer.numel(), dtype, group).copy_(buffer)
 
 
-def _compress_hook(process_group, bucket, dtype: torch.dtype) -> torch.futures.Future:
+def _compress_hook(process_group, bucket, dtype: torch.dtype) -> torch.futures.Future[torch.Tensor]:
     group = _group(process_group)
     buffer = bucket.buffer()
     # Divide after the cast, as torch's hooks do, so both compute bit-identical results.
@@ -76,11 +76,11 @@ def _compress_hook(process_group, bucket, dtype: torch.dtype) -> torch.futures.F
     return allreduce_future(compressed, group).then(decompress)
 
 
-def fp16_compress_hook(process_group, bucket) -> torch.futures.Future:
+def fp16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce the bucket in float16 (half the bytes), then copy back to its dtype."""
     return _compress_hook(process_group, bucket, torch.float16)
 
 
-def bf16_compress_hook(process_group, bucket) -> torch.futures.Future:
+def bf16_compress_hook(process_group, bucket) -> torch.futures.Future[torch.Tensor]:
     """All-reduce the bucket in bfloat16 (half the bytes, float32's range)."""
     return _compress_hook(process_group, bucket, torch.bfloat16)

@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .buckets import (MB, Bucket, GradBucket, assign_buckets, host_cores, overlap_pays, shadow_bucket,
+from .buckets import (MB, Bucket, GradBucket, assign_buckets, host_cpus, overlap_pays, shadow_bucket,
                       sharing_pycoll)
 from .graph import reachable_leaves
 from .timeline import BucketTimes, Timeline
@@ -42,11 +42,13 @@ class Reducer:
         self.group = group
         # Buckets in the memory the group's ranks share, where the group can (pycoll on one
         # host): its all_reduce then works in place on every rank's bucket, without staging.
-        self._alloc = shared_allocator(group, self.params) if shared_buckets is not False else None
+        one_host = one_host_pycoll(group, self.params)
+        self._alloc = shared_allocator(one_host, group) if shared_buckets is not False else None
         self.world = dist.get_world_size(group)
-        # bucket_cap_mb=None: torch's 25 MB (first bucket 1 MB), unless the ranks share a host
+        # No cap given: torch's 25 MB (first bucket 1 MB), unless the ranks share a host
         # whose cores are all computing; then one bucket, reduced once backward is done.
-        self.overlap = bucket_cap_mb is not None or self._alloc is None or self._overlap_pays()
+        self.overlap = (bucket_cap_mb is not None or first_bucket_cap_mb is not None
+                        or one_host is None or self._overlap_pays())
         if self.overlap:
             self.cap = max(1, int((25 if bucket_cap_mb is None else bucket_cap_mb) * MB))
             self.first_cap = max(1, int((1 if first_bucket_cap_mb is None else first_bucket_cap_mb) * MB))
@@ -76,11 +78,13 @@ class Reducer:
         weakref.finalize(self, _remove_hooks, handles)
 
     def _overlap_pays(self) -> bool:
-        """``overlap_pays`` for this host, agreed by every rank (their thread counts may
-        differ, and every rank must cut the same buckets)."""
-        pays = torch.tensor([int(overlap_pays(self.world, torch.get_num_threads(), host_cores()))])
-        dist.all_reduce(pays, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(pays.item())
+        """``overlap_pays`` for the group's ranks, from every rank's thread count and CPU
+        affinity (gathered: they may differ, and every rank must cut the same buckets)."""
+        mine = (torch.get_num_threads(), sorted(host_cpus()))
+        every: list = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        cores = set().union(*(set(cpus) for _, cpus in every))
+        return overlap_pays([threads for threads, _ in every], len(cores))
 
     # ---- layout -----------------------------------------------------------------------
     def _build(self, order: list[int]) -> None:
@@ -351,11 +355,17 @@ class Reducer:
             self.rebuild_pending = True  # others rebuild now; this rank joins with no order
 
 
-def shared_allocator(group, params: Sequence[torch.Tensor]) -> Callable | None:
-    """``alloc(numel, dtype)`` of zeroed buckets in ``group``'s shared memory, or None where
-    there is none: not a pycoll group, its ranks not all on one host, or not CPU tensors.
-    Every rank decides alike (the group's mode and the model are the same everywhere)."""
-    pycoll = sharing_pycoll(group) if all(p.device.type == "cpu" for p in params) else None
+def one_host_pycoll(group, params: Sequence[torch.Tensor]):
+    """The ``pycoll`` module when ``group`` is a pycoll group whose ranks all share one host
+    (so the reducer can use its registered memory and knows its ranks compete for the same
+    cores) and the parameters are CPU tensors; None otherwise. Every rank decides alike
+    (the group's mode and the model are the same everywhere)."""
+    return sharing_pycoll(group) if all(p.device.type == "cpu" for p in params) else None
+
+
+def shared_allocator(pycoll, group) -> Callable | None:
+    """``alloc(numel, dtype)`` of zeroed buckets in ``group``'s shared memory (``pycoll``
+    from ``one_host_pycoll``), or None where there is none."""
     if pycoll is None:
         return None
     # cache=False: a bucket lives until a rebuild replaces it, usually by buckets of other

@@ -52,6 +52,9 @@ CASES: dict[str, dict] = {
     "hook_allreduce": dict(model="mlp", hook="allreduce_hook"),
     "hook_fp16": dict(model="mlp", hook="fp16_compress_hook", local_tol=2e-3),
     "hook_bf16": dict(model="mlp", hook="bf16_compress_hook", local_tol=1e-2),
+    # each DDP with the other's hook: torch's hooks on ours, ours on torch's
+    "hook_fp16_swapped": dict(model="mlp", hook="fp16_compress_hook", local_tol=2e-3, swap=True),
+    "hook_allreduce_swapped": dict(model="mlp", hook="allreduce_hook", swap=True),
     "join_uneven": dict(model="mlp", uneven="ramp"),
     "join_uneven_tiny_buckets": dict(model="mlp", uneven="ramp",
                                      kw=dict(bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)),
@@ -109,14 +112,17 @@ def equivalence_rank(rank: int, world: int, name: str) -> dict:
     case = CASES[name]
     kw = case.get("kw", {})
     ours = ddp.DistributedDataParallel(build(case["model"], seed=rank), **kw)
-    if case.get("hook"):
-        ours.register_comm_hook(None, getattr(ddp.hooks, case["hook"]))
+    hooks = (getattr(ddp.hooks, case["hook"]), _torch_hook(case["hook"])) if case.get("hook") else None
+    if hooks and case.get("swap"):
+        hooks = hooks[::-1]
+    if hooks:
+        ours.register_comm_hook(None, hooks[0])
     _train(ours, case, rank, world)
 
     torch_kw = {k: v for k, v in kw.items() if k != "first_bucket_cap_mb"}
     theirs = torch.nn.parallel.DistributedDataParallel(build(case["model"], seed=rank), **torch_kw)
-    if case.get("hook"):
-        theirs.register_comm_hook(None, _torch_hook(case["hook"]))
+    if hooks:
+        theirs.register_comm_hook(None, hooks[1])
     _train(theirs, case, rank, world)
 
     counts = _counts(case, world)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import ddp
-from ddp.buckets import assign_buckets, host_cores, overlap_pays
+from ddp.buckets import assign_buckets, host_cpus, overlap_pays
 from tests.harness import run_ranks
 from tests.test_ddp import backend  # noqa: F401  (the gloo/pycoll fixture)
 from tests.test_ddp_support import Unused, batches, loss_fn, mlp
@@ -61,46 +61,76 @@ def test_assignment_invariants(params, first_cap, cap, rnd) -> None:
 
 
 def test_overlap_pays_only_where_every_worker_has_a_core() -> None:
-    # ranks x threads for compute, plus one worker a rank
-    assert not overlap_pays(local_ranks=2, threads=1, cores=2)      # this CI machine
-    assert not overlap_pays(local_ranks=2, threads=1, cores=3)
-    assert overlap_pays(local_ranks=2, threads=1, cores=4)
-    assert not overlap_pays(local_ranks=4, threads=4, cores=16)
-    assert overlap_pays(local_ranks=1, threads=1, cores=2)
-    assert not overlap_pays(local_ranks=1, threads=2, cores=2)
+    # each rank's compute threads plus its worker, against the cores the ranks may use
+    assert not overlap_pays([1, 1], cores=2)       # this CI machine
+    assert not overlap_pays([1, 1], cores=3)
+    assert overlap_pays([1, 1], cores=4)
+    assert not overlap_pays([4] * 4, cores=16)
+    assert overlap_pays([1], cores=2)
+    assert not overlap_pays([2], cores=2)
+    assert not overlap_pays([1, 3], cores=5)       # ranks with different thread counts
+    assert overlap_pays([1, 3], cores=6)
 
 
-def default_caps_rank(rank: int, world: int, threads: list) -> tuple:
-    """Buckets that DistributedDataParallel's default caps cut, with ``threads[rank]`` torch
-    threads (None: one per core) on this rank."""
+def default_caps_rank(rank: int, world: int, threads: list, shared) -> tuple:
+    """The buckets that DistributedDataParallel cuts with default and with given caps, with
+    ``threads[rank]`` torch threads (None: one per CPU) on this rank."""
     old = torch.get_num_threads()
-    torch.set_num_threads(threads[rank] or host_cores())
+    torch.set_num_threads(threads[rank] or len(host_cpus()))
     try:
         torch.manual_seed(0)
         net = nn.Sequential(*[nn.Linear(512, 512) for _ in range(6)])   # 1 MiB a weight
-        model = ddp.DistributedDataParallel(net)
-        explicit = ddp.DistributedDataParallel(net, bucket_cap_mb=25, first_bucket_cap_mb=1)
-        x = torch.randn(4, 512)
-        model(x).sum().backward()                  # trains the same either way
-        return (len(model.bucket_indices()), model.reducer.overlap,
-                len(explicit.bucket_indices()), explicit.reducer.overlap, host_cores())
+        cut = []
+        for kw in ({}, {"bucket_cap_mb": 25}, {"first_bucket_cap_mb": 1}):
+            model = ddp.DistributedDataParallel(net, shared_buckets=shared, **kw)
+            model(torch.randn(4, 512)).sum().backward()            # trains either way
+            cut.append((len(model.bucket_indices()), model.reducer.overlap))
+        return cut, len(host_cpus())
     finally:
         torch.set_num_threads(old)
 
 
 @pytest.mark.parametrize("threads", [(None, None), (1, None), (1, 1)])
-def test_default_buckets_one_where_no_core_is_spare(backend, threads) -> None:
+@pytest.mark.parametrize("shared", [None, False])
+def test_default_buckets_one_where_no_core_is_spare(backend, threads, shared) -> None:
     """pycoll on one host: torch's 25/1 MB caps where each rank's worker has a core of its
-    own, else one bucket reduced after backward; every rank cuts the same (rank 1 may run
-    more threads than rank 0). Other backends always get torch's caps; a number given is
-    always used."""
-    got = run_ranks(default_caps_rank, 2, list(threads), backend=backend)
-    cores = got[0][4]
-    one = backend == "pycoll" and not all(
-        overlap_pays(2, t or cores, cores) for t in threads)
-    for n, overlap, n_explicit, overlap_explicit, _ in got:
-        assert (n, overlap) == ((1, False) if one else (2, True)), (backend, threads, got)
-        assert (n_explicit, overlap_explicit) == (2, True)
+    own, else one bucket reduced after backward, whatever memory the buckets are in; every
+    rank cuts the same (rank 1 may run more threads than rank 0). Other backends always get
+    torch's caps; a cap given (either) is always used."""
+    got = run_ranks(default_caps_rank, 2, list(threads), shared, backend=backend)
+    cpus = got[0][1]
+    one = backend == "pycoll" and not overlap_pays([t or cpus for t in threads], cpus)
+    for cut, _ in got:
+        assert cut[0] == ((1, False) if one else (2, True)), (backend, threads, got)
+        assert cut[1] == cut[2] == (2, True), (backend, threads, got)
+
+
+def devices_rank(rank: int, world: int) -> dict:
+    torch.manual_seed(rank)                # a different model on each rank
+    own = nn.Linear(4, 3)
+    ddp.DistributedDataParallel(own, None, None, 0, True, False)   # torch's order: init_sync=False
+    out = {"unsynced": float(own.weight.sum())}
+    net = nn.Linear(4, 3)
+    for name, kw in [("cpu", {"device_ids": [torch.device("cpu")]}), ("cuda0", {"device_ids": [0]}),
+                     ("output", {"output_device": "cuda:0"})]:
+        try:
+            ddp.DistributedDataParallel(net, **kw)
+            out[name] = "ok"
+        except ValueError as e:
+            out[name] = str(e)
+    out["synced"] = float(net.weight.sum())
+    return out
+
+
+def test_torchs_arguments_in_torchs_order(backend) -> None:
+    """device_ids/output_device may name the module's own device only (this DDP moves no
+    inputs); init_sync=False (torch's sixth argument) leaves each rank's model as it is."""
+    got = run_ranks(devices_rank, 2, backend=backend)
+    for r in got:
+        assert r["cpu"] == "ok", r
+        assert "must be None or name the one device" in r["cuda0"], r
+        assert "must be None or name the one device" in r["output"], r
+    assert got[0]["unsynced"] != got[1]["unsynced"] and got[0]["synced"] == got[1]["synced"], got
 
 
 # ---- errors, never hangs ----------------------------------------------------------------

@@ -1,7 +1,8 @@
 """pycoll's own DistributedDataParallel: gradient buckets, overlap, no_sync, comm hooks, join.
 
 ``from ddp import DistributedDataParallel`` is a drop-in for torch's class of that name
-(same arguments, ``no_sync``, ``register_comm_hook``, ``join``) and works on any
+(torch's arguments in torch's order, less the multi-device and mixed-precision ones;
+``no_sync``, ``register_comm_hook``, ``join``) and works on any
 torch.distributed process group, using only torch.distributed's public API.
 """
 

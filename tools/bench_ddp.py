@@ -1,7 +1,8 @@
 """DDP benchmark: {torch DDP, ddp.DistributedDataParallel} x {gloo, pycoll}, one invocation.
 
     python tools/bench_ddp.py [--models mlp,convnet] [--world-size 2] [--rounds 5] [--steps 5]
-        [--sweep 0.25,1,5,25,100] [--no-memory] [--json out/bench_ddp.json] [--plot PATH]
+        [--warmup 2] [--sweep 0.25,1,5,25,100] [--sweep-models mlp] [--staged] [--no-memory]
+        [--json out/bench_ddp.json] [--plot PATH]
 
 Speed: ``world_size`` rank processes are started once (forkserver, torch preloaded) around a
 TCPStore that the parent binds to port 0. Each rank opens a gloo default group and, when
@@ -10,8 +11,11 @@ interleaved (the order rotates each round) so a noisy phase of this shared machi
 alike; each block is ``--steps`` timed training steps after warm-up, timed by the slowest
 rank; the report gives medians over rounds. Baselines: ``independent`` (every rank trains
 its own copy at once, no communication: the fair denominator on 2 vCPUs, see DESIGN.md) and
-``single`` (rank 0 alone). ``--sweep`` times our DDP on the MLP across bucket_cap_mb values
-(the paper's bucket-size finding) and plots it when matplotlib is installed (extra ``plot``).
+``single`` (rank 0 alone). ``--sweep`` times our DDP across bucket_cap_mb values on the
+``--sweep-models`` (the paper's bucket-size finding) and plots the MLP's when matplotlib is
+installed (extra ``plot``; ``--plot ""`` for none). ``--staged`` adds ours on pycoll with
+ordinary buckets (``shared_buckets=False``). Every configuration is also printed against
+``independent`` round by round (median and range of the per-round ratios).
 Memory: each configuration runs once more in fresh rank processes, reporting peak RSS per
 rank (``resource.getrusage`` ru_maxrss), since a process's peak cannot be reset for the next.
 """
@@ -432,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = summarise(results, opts)
     print_speed(summary, opts, note or summary["note"])
     memory = [] if a.no_memory else measure_memory(opts, a.malloc_default)
-    if opts["sweep"] and a.plot:
+    if opts["sweep"] and a.plot and "mlp" in opts["sweep_models"]:
         plot_sweep(summary, opts, a.plot)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)

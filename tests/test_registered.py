@@ -298,6 +298,47 @@ def test_tcp_group_gets_plain_memory():
     assert res == [(False, False, (3, 5), "torch.int16")] * 2
 
 
+def _scratch(rank, world):
+    import pycoll
+
+    pg = dist.distributed_c10d._get_default_group()
+    a = pycoll.shared_scratch("k", 40000, torch.float32)
+    same = pycoll.shared_scratch("k", 40000, torch.float32)
+    other_key = pycoll.shared_scratch("j", 40000, torch.float32)
+    resized = pycoll.shared_scratch("k", 50000, torch.float32)
+    retyped = pycoll.shared_scratch("k", 50000, torch.float16)
+    seen = {"same": same.data_ptr() == a.data_ptr(), "other_key": other_key.data_ptr() != a.data_ptr(),
+            "resized": (resized.numel(), resized.data_ptr() != a.data_ptr()),
+            "retyped": (retyped.dtype, retyped.numel()),
+            "registered": all(pycoll.is_registered(t) for t in (a, other_key, retyped)),
+            "kept": sorted(pg.communicator.scratch)}
+    del a, same, other_key, resized, retyped
+    gc.collect()
+    if pycoll.can_share_memory():
+        heap = pg.communicator.heap
+        seen["live_before_destroy"] = heap.live_blocks()
+        seen["cached"] = heap.cached_blocks()     # replaced scratch gives its pages back
+    dist.destroy_process_group()
+    gc.collect()
+    seen["maps_after_destroy"] = _heap_maps()
+    return seen
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_shared_scratch_reuses_per_key_and_destroy_drops_it(transport):
+    """One tensor per key while its size and dtype hold, a new one when they change;
+    registered on one host (the old ones' pages given back), plain over TCP; destroying the
+    group drops the group's scratch, leaving no heap mapping behind."""
+    env = {"PYCOLL_TRANSPORT": "tcp"} if transport == "tcp" else None
+    for s in run_ranks(_scratch, 2, backend="pycoll", env=env):
+        assert s["same"] and s["other_key"] and s["resized"] == (50000, True), s
+        assert s["retyped"] == (torch.float16, 50000) and s["kept"] == ["j", "k"], s
+        assert s["registered"] == (transport == "shm"), s
+        if transport == "shm":
+            assert s["live_before_destroy"] == 2 and s["cached"] == 0, s
+        assert s["maps_after_destroy"] == 0, s
+
+
 # -- ddp/ ----------------------------------------------------------------------------------
 def _ddp_train(rank, world, view, shared, cap):
     import pycoll

@@ -151,3 +151,35 @@ def test_demo_checks_every_collective_on_pycoll_and_gloo_and_the_model_learns():
     assert "pycoll and gloo final models: identical" in out or "models: agree" in out, out
     assert "parameters identical on all ranks: yes" in out, out
     assert "\nchecks: all passed" in out, out
+
+
+def _tool(script, *args, timeout=120):
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / script), *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_bench_ddp_prints_its_tables_and_the_per_round_ratios(tmp_path):
+    """The command docs/ddp.md gives for issue 20's figures, shrunk to one short round."""
+    out = _tool("bench_ddp.py", "--models", "convnet", "--rounds", "1", "--steps", "1", "--warmup", "1",
+                "--sweep", "25", "--sweep-models", "convnet", "--staged", "--no-memory", "--plot", "",
+                "--json", str(tmp_path / "b.json"))
+    assert "convnet | 0.9M |" in out and "bucket_cap_mb sweep, ours on the convnet" in out, out
+    ratios = next(ln for ln in out.splitlines() if ln.startswith("convnet: "))
+    for name in ("torch/gloo", "ours/pycoll", "ours-staged/pycoll", "ours/pycoll@25MB"):
+        assert f"{name} " in ratios, ratios
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["opts"]["sweep_models"] == ["convnet"] and saved["speed"]["per_round"]
+
+
+@pytest.mark.timeout(150)
+def test_ddp_phases_times_each_configuration_on_both_ranks():
+    out = _tool("ddp_phases.py", "--model", "convnet", "--rounds", "1", "--steps", "3",
+                "--configs", "indep,ours,overlap")
+    for rank in (0, 1):
+        assert f"rank {rank} (convnet, ms, medians)" in out, out
+    for config in ("indep", "ours", "overlap"):
+        assert sum(ln.split()[0] == config for ln in out.splitlines() if ln.startswith("  ")) == 2, out
+    assert "ours' buckets (index, MiB, ready, reduced): [(0, " in out, out

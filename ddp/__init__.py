@@ -8,8 +8,8 @@ torch.distributed process group, using only torch.distributed's public API.
 
 from . import hooks
 from .buckets import GradBucket, assign_buckets
-from .distributed import DistributedDataParallel
+from .distributed import DistributedDataParallel, default_bucket_cap_mb
 from .timeline import BucketTimes, Timeline
 
-__all__ = ["DistributedDataParallel", "GradBucket", "assign_buckets", "hooks", "Timeline",
+__all__ = ["DistributedDataParallel", "default_bucket_cap_mb", "GradBucket", "assign_buckets", "hooks", "Timeline",
            "BucketTimes"]

@@ -19,7 +19,8 @@ from torch.nn import Module
 
 from .join import DDPJoinHook, JoinContext, exchange_join_state
 from .partial_sync import attach as attach_partial
-from .reducer import Reducer
+from .buckets import MB
+from .reducer import Reducer, overlap_pays_for
 from .sync import BufferBroadcaster, broadcast_tensors, verify_same_model
 from .timeline import Timeline
 
@@ -171,3 +172,16 @@ def _check_devices(module: Module, device_ids, output_device) -> None:
             f"DistributedDataParallel: device_ids={device_ids!r}, output_device={output_device!r} "
             f"must be None or name the one device the module's parameters are on "
             f"({sorted(map(str, devices))}); this DDP does not move inputs between devices")
+
+
+def default_bucket_cap_mb(module: Module, process_group=None) -> float:
+    """The ``bucket_cap_mb`` that this DDP's defaults amount to for ``module`` on
+    ``process_group``, to give torch's DDP the same choice: 25 (torch's), or, on a one-host
+    pycoll group with no core to spare (``ddp.buckets.overlap_pays``), a cap that puts all
+    of the module's gradients in one bucket (torch's own first bucket stays 1 MB). A
+    collective on one-host pycoll groups: call it on every rank."""
+    group = process_group if process_group is not None else dist.group.WORLD
+    params = [p for p in module.parameters() if p.requires_grad]
+    if overlap_pays_for(group, params):
+        return 25.0
+    return float(sum(p.numel() * p.element_size() for p in params) // MB + 1)

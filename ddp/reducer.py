@@ -48,7 +48,7 @@ class Reducer:
         # No cap given: torch's 25 MB (first bucket 1 MB), unless the ranks share a host
         # whose cores are all computing; then one bucket, reduced once backward is done.
         self.overlap = (bucket_cap_mb is not None or first_bucket_cap_mb is not None
-                        or one_host is None or self._overlap_pays())
+                        or overlap_pays_for(group, self.params))
         if self.overlap:
             self.cap = max(1, int((25 if bucket_cap_mb is None else bucket_cap_mb) * MB))
             self.first_cap = max(1, int((1 if first_bucket_cap_mb is None else first_bucket_cap_mb) * MB))
@@ -76,15 +76,6 @@ class Reducer:
         handles = [p.register_post_accumulate_grad_hook(_ready_hook(me, i)) for i, p in enumerate(self.params)]
         # A dropped wrapper (re-wrapped after a shrink, say) takes its hooks off the parameters.
         weakref.finalize(self, _remove_hooks, handles)
-
-    def _overlap_pays(self) -> bool:
-        """``overlap_pays`` for the group's ranks, from every rank's thread count and CPU
-        affinity (gathered: they may differ, and every rank must cut the same buckets)."""
-        mine = (torch.get_num_threads(), sorted(host_cpus()))
-        every: list = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
-        cores = set().union(*(set(cpus) for _, cpus in every))
-        return overlap_pays([threads for threads, _ in every], len(cores))
 
     # ---- layout -----------------------------------------------------------------------
     def _build(self, order: list[int]) -> None:
@@ -361,6 +352,21 @@ def one_host_pycoll(group, params: Sequence[torch.Tensor]):
     cores) and the parameters are CPU tensors; None otherwise. Every rank decides alike
     (the group's mode and the model are the same everywhere)."""
     return sharing_pycoll(group) if all(p.device.type == "cpu" for p in params) else None
+
+
+def overlap_pays_for(group, params: Sequence[torch.Tensor]) -> bool:
+    """Whether reducing buckets during backward can gain on ``group`` (``overlap_pays``):
+    True unless it is a one-host pycoll group of CPU parameters whose ranks' threads, plus a
+    worker each, outnumber the cores their affinity masks allow. On such a group it is a
+    collective (every rank's thread count and mask are gathered: they may differ, and every
+    rank must decide alike); elsewhere it communicates nothing."""
+    if one_host_pycoll(group, params) is None:
+        return True
+    mine = (torch.get_num_threads(), sorted(host_cpus()))
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    cores = set().union(*(set(cpus) for _, cpus in every))
+    return overlap_pays([threads for threads, _ in every], len(cores))
 
 
 def shared_allocator(pycoll, group) -> Callable | None:

@@ -85,7 +85,10 @@ def default_caps_rank(rank: int, world: int, threads: list, shared) -> tuple:
             model = ddp.DistributedDataParallel(net, shared_buckets=shared, **kw)
             model(torch.randn(4, 512)).sum().backward()            # trains either way
             cut.append((len(model.bucket_indices()), model.reducer.overlap))
-        return cut, len(host_cpus())
+        for_torch = ddp.default_bucket_cap_mb(net)        # the same choice, for torch's DDP
+        theirs = torch.nn.parallel.DistributedDataParallel(net, bucket_cap_mb=for_torch)
+        theirs(torch.randn(4, 512)).sum().backward()
+        return cut, len(host_cpus()), for_torch
     finally:
         torch.set_num_threads(old)
 
@@ -100,9 +103,11 @@ def test_default_buckets_one_where_no_core_is_spare(backend, threads, shared) ->
     got = run_ranks(default_caps_rank, 2, list(threads), shared, backend=backend)
     cpus = got[0][1]
     one = backend == "pycoll" and not overlap_pays([t or cpus for t in threads], cpus)
-    for cut, _ in got:
+    for cut, _, for_torch in got:
         assert cut[0] == ((1, False) if one else (2, True)), (backend, threads, got)
         assert cut[1] == cut[2] == (2, True), (backend, threads, got)
+        # 6 weights of 1 MiB and their biases: a cap over all of them, or torch's 25
+        assert for_torch == (7.0 if one else 25.0), (backend, threads, got)
 
 
 def devices_rank(rank: int, world: int) -> dict:

@@ -13,7 +13,8 @@ does where no core is spare, ``ddp.buckets.overlap_pays``), ``overlap`` (ours wi
 buckets, reduced during backward, whatever the cores), ``sync``
 (``indep`` plus a 4-byte all_reduce after each step: what waiting for the slower rank costs),
 ``view`` (ours with ``gradient_as_bucket_view``), ``ours_fp16``/``ours_bf16`` (ours with
-the compression hooks), ``torch``/``torch_fp16`` (torch's DDP on pycoll), ``torch_gloo``/
+the compression hooks), ``torch``/``torch_fp16`` (torch's DDP on pycoll), ``torch_one`` (torch's DDP on pycoll with one
+bucket: ``bucket_cap_mb=1e4``), ``torch_gloo``/
 ``torch_gloo_fp16`` (torch's DDP on gloo). For ours, "tail" is the time from the end of backward
 to the gradients written back (``DistributedDataParallel.timeline``), and the last round's
 buckets are printed (index, MiB, ready and reduced, ms after backward began). The models are
@@ -70,6 +71,7 @@ def _configs(pg, gloo, build):
         "ours_fp16": lambda: hooked(Ours(build(), process_group=pg), hooks.fp16_compress_hook, pg),
         "ours_bf16": lambda: hooked(Ours(build(), process_group=pg), hooks.bf16_compress_hook, pg),
         "torch": lambda: torch_ddp(build(), process_group=pg),
+        "torch_one": lambda: torch_ddp(build(), process_group=pg, bucket_cap_mb=1e4),
         "torch_fp16": lambda: hooked(torch_ddp(build(), process_group=pg), default_hooks.fp16_compress_hook, pg),
         "torch_gloo": lambda: torch_ddp(build(), process_group=gloo),
         "torch_gloo_fp16": lambda: hooked(torch_ddp(build(), process_group=gloo),

@@ -156,3 +156,46 @@ def test_a_block_made_without_cache_gives_its_pages_back(cache):
             assert s["cached"] == 1 and s["dropped"] < BIG // 4, res
         else:   # its own 4 MiB and the 2 MiB of the peer's copy it reduced
             assert s["cached"] == 0 and s["dropped"] >= BIG + BIG // 2 - 64 * 1024, res
+
+
+PEER_N = 300_001    # float32 elements: slices that end mid-page, at world 2 and 3
+
+
+def _peers_pages(rank, world):
+    """A registered all_reduce (twice: the second runs on pages the first unmapped),
+    all_gather_into_tensor into and reduce_scatter_tensor from registered memory; the
+    results, and how much of the heap this rank has mapped after."""
+    import pycoll
+
+    x = pycoll.empty_shared(PEER_N)
+    ok = _summed(x, rank, world) and _summed(x, rank, world)
+    inp = torch.arange(PEER_N, dtype=torch.float32) + rank
+    out = pycoll.empty_shared(world * PEER_N)
+    dist.all_gather_into_tensor(out, inp)
+    ok &= all(torch.equal(out[q * PEER_N:(q + 1) * PEER_N], torch.arange(PEER_N, dtype=torch.float32) + q)
+              for q in range(world))
+    big = pycoll.empty_shared(world * PEER_N)
+    big.copy_(torch.arange(world * PEER_N, dtype=torch.float32) * (rank + 1))
+    mine = torch.empty(PEER_N)
+    dist.reduce_scatter_tensor(mine, big)
+    want = torch.arange(rank * PEER_N, (rank + 1) * PEER_N, dtype=torch.float32) * (world * (world + 1) / 2)
+    ok &= torch.equal(mine, want)
+    return {"ok": ok, "rss": _heap_rss(), "kept": _heap().kept}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("budget", [None, 0])
+def test_peers_pages_stay_mapped_only_within_the_bound(world, budget):
+    """PYCOLL_SHM_PEER_BYTES bounds the peers' pages a rank keeps mapped (and so counted in
+    its RSS): beyond it the in-place collectives unmap them as they go, and the results are
+    the same, though the next collective faults them in again."""
+    env = {} if budget is None else {"PYCOLL_SHM_PEER_BYTES": str(budget)}
+    res = run_ranks(_peers_pages, world, backend="pycoll", env=env)
+    own = PEER_N * 4 * (1 + 2 * world)                      # x, out and big: every page read or written
+    touched = (world - 1) * (PEER_N * 4 // world + PEER_N * 4 + PEER_N * 4)  # slice of x, block of out, of big
+    for s in res:
+        assert s["ok"], res
+        if budget is None:     # 8 MiB by default: all of it stays mapped
+            assert s["kept"] >= touched - 4096 * world and s["rss"] >= own + touched - 16 * 4096, res
+        else:                  # only this rank's own pages (and a page or two at block ends)
+            assert s["kept"] == 0 and own <= s["rss"] <= own + 16 * 4096, res

@@ -13,7 +13,9 @@ all_reduce needs no staging slot:
 A rank reads n bytes (its slice of P inputs) and writes n (its slice of P outputs): 2n of
 memory traffic against 3.5n-5n for the staged forms, one copy's worth, the least any
 all_reduce can move; and each slice is computed once, so the result is bitwise the same on
-every rank. A piece stays in the cache between its reduction and its copies out.
+every rank. A piece stays in the cache between its reduction and its copies out. The
+peers' pages a rank touched are unmapped piece by piece beyond a bound
+(``SharedHeap.unmapper``), so that they do not count in its RSS as well as in theirs.
 
 Agreement. Each rank puts its tensor's heap offset (+1; 0: not registered) in the extra
 word of its all_reduce signature, so a rank with registered memory meeting one without (or
@@ -112,7 +114,9 @@ def _reduce_slice(L: int, me: int, heap: SharedHeap, block, t: torch.Tensor, red
         bufs = heap.tensor_views(block, nbytes, dt)
         combine, put = red.combine, copy
     lo, size = chunks(n, L)[me]
-    step = max(1, PIECE_BYTES // t.element_size())
+    isz = t.element_size()
+    step = max(1, PIECE_BYTES // isz)
+    unmap = heap.unmapper(block, size * isz)
     # The accumulator is rank 0's or rank 1's copy: x0 op x1 may overwrite either before
     # the others are added (rank me >= 2's own copy would be overwritten before it is read).
     into = me if me < 2 else 0
@@ -128,6 +132,8 @@ def _reduce_slice(L: int, me: int, heap: SharedHeap, block, t: torch.Tensor, red
         for q in range(L):
             if q != into:
                 put(parts[q], acc)
+        if unmap is not None:
+            unmap(a * isz, b * isz)
 
 
 def _in_place(arena: ShmArena, words, deadline: float, what: str, work) -> None:
@@ -162,12 +168,15 @@ def all_gather(arena: ShmArena, heap: SharedHeap | None, out: torch.Tensor, inp:
     # FSDP2 gathers in place (its input is block me of its output): that copy is no copy.
     targets = [q for q in range(L) if q != me or inp.data_ptr() != out.data_ptr() + me * inp.nbytes]
     step = max(1, PIECE_BYTES // dt.itemsize)
+    unmap = heap.unmapper(block, inp.nbytes)
 
     def push() -> None:
         for a in range(0, n, step):   # a piece is read once and stays cached for its L copies
             b = min(a + step, n)
             for q in targets:
                 copy(outs[q][me * n + a:me * n + b], inp[a:b])
+            if unmap is not None:
+                unmap((me * n + a) * dt.itemsize, (me * n + b) * dt.itemsize)
 
     _in_place(arena, words, deadline, what, push)
 
@@ -198,6 +207,7 @@ def reduce_scatter(arena: ShmArena, heap: SharedHeap | None, out: torch.Tensor, 
         bufs = heap.tensor_views(block, inp.nbytes, dt)
         dst, combine = out, red.combine
     step = max(1, PIECE_BYTES // dt.itemsize)
+    unmap = heap.unmapper(block, c * dt.itemsize) if L > 1 else None
 
     def pull() -> None:
         for a in range(0, c, step):   # in rank order, as the staged form
@@ -210,6 +220,8 @@ def reduce_scatter(arena: ShmArena, heap: SharedHeap | None, out: torch.Tensor, 
             combine(bufs[0][lo:hi], bufs[1][lo:hi], acc)
             for q in range(2, L):
                 combine(acc, bufs[q][lo:hi], acc)
+            if unmap is not None:
+                unmap(lo * dt.itemsize, hi * dt.itemsize)
 
     _in_place(arena, words, deadline, what, pull)
 

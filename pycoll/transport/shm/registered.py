@@ -29,6 +29,18 @@ allocated with ``cache=False`` (long-lived buffers, such as DDP's buckets: those
 replaces are of other sizes, and cached they would hold their pages, and the peers' pages
 read through them, until the group is destroyed).
 
+Peers' pages. A rank's RSS counts every page it has mapped, its peers' included, though
+such a page exists once (PSS divides it among the ranks). An in-place collective touches a
+share of every peer's copy (all_reduce: this rank's 1/P slice of each), which would then
+stay mapped and count in this rank's RSS for as long as the block lives. ``unmapper`` keeps
+at most ``PYCOLL_SHM_PEER_BYTES`` (default 8 MiB, what the staging slots a staged
+collective would touch instead amount to at world 2) of peers' pages mapped a rank, the
+first blocks to ask, so that small per-step buffers cost no page faults; the pieces of larger
+blocks are unmapped as the collective finishes with them (``MADV_DONTNEED``: the data stays,
+only this rank's page-table entries go) and faulted in again at the next one. Measured on
+this machine: 48 MiB of peer pages cost 4-5 ms more a collective that way (docs/shm.md), which
+registered buffers that replace ordinary ones must pay for their memory not to show twice.
+
 Lifetime. A chunk's segment is created by local rank 0 and mapped by the others through
 ``/proc/<pid>/fd/<n>``, as the arena is (``arena.py``); rank 0 closes its descriptor once
 all have mapped it, so the memory lives exactly as long as a mapping: ``kill -9`` of any
@@ -43,6 +55,7 @@ references; tensors still alive keep their chunk mapped until they die, and stay
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 import threading
@@ -57,6 +70,8 @@ from pycoll.transport.shm import segment
 PAGE = 4096
 DEFAULT_CHUNK_BYTES = 64 << 20
 DEFAULT_CACHE_BYTES = 1 << 30
+DEFAULT_PEER_BYTES = 8 << 20
+FAULT_AROUND = 64 << 10     # the kernel's default fault_around_bytes
 
 
 @dataclass(eq=False)
@@ -98,6 +113,10 @@ class SharedHeap:
         want = chunk_bytes or int(os.environ.get("PYCOLL_SHM_HEAP_BYTES", DEFAULT_CHUNK_BYTES))
         self.chunk_bytes = max(PAGE, -(-want // PAGE) * PAGE)
         self.cache_bytes = int(os.environ.get("PYCOLL_SHM_HEAP_CACHE_BYTES", DEFAULT_CACHE_BYTES))
+        self.peer_bytes = int(os.environ.get("PYCOLL_SHM_PEER_BYTES", DEFAULT_PEER_BYTES))
+        # Blocks whose peers' pages stay mapped: global offset -> bytes of them, and the sum.
+        self._kept: dict[int, int] = {}
+        self.kept = 0
         self.chunks: list[Chunk] = []
         # Freed blocks kept for reuse: rounded size -> {global offset: (chunk, offset)}.
         self._cache: dict[int, dict[int, tuple[Chunk, int]]] = {}
@@ -206,6 +225,37 @@ class SharedHeap:
             c.tensors = [torch.from_numpy(r) for r in c.regions]
         return [t[o:o + nbytes].view(dtype) for t in c.tensors]
 
+    # -- peers' pages ---------------------------------------------------------------------
+    def unmapper(self, block: Block, touched: int):
+        """None when the peers' pages of ``block`` that a collective touches (``touched``
+        bytes of each peer's copy) may stay mapped on this rank, within ``peer_bytes``; else
+        ``unmap(lo, hi)``, which drops this rank's mapping of bytes [lo, hi) of ``block`` in
+        every peer's copy."""
+        cost = touched * (self.size - 1)
+        key = block.global_offset
+        with self._lock:
+            have = self._kept.get(key, 0)
+            if cost <= have:
+                return None
+            if self.kept - have + cost <= self.peer_bytes:
+                self._kept[key] = cost
+                self.kept += cost - have
+                return None
+        return functools.partial(self._unmap_peers, block.chunk, block.offset)
+
+    def _unmap_peers(self, chunk: Chunk, offset: int, lo: int, hi: int) -> None:
+        mm = chunk.mm
+        # Whole fault-around windows: a read fault maps the cached pages of its aligned
+        # window, before the piece as well as after it, and the next piece's faults would
+        # leave those behind. (Unmapping a neighbour's pages costs it a fault, nothing else.)
+        a = (offset + lo) // FAULT_AROUND * FAULT_AROUND
+        b = min(-(-(offset + hi) // FAULT_AROUND) * FAULT_AROUND, chunk.length)
+        if mm is None or b <= a:
+            return
+        for q in range(self.size):
+            if q != self.me:
+                mm.madvise(mmap.MADV_DONTNEED, q * chunk.length + a, b - a)
+
     # -- freeing -------------------------------------------------------------------------
     def _maybe_drop(self, chunk: Chunk) -> None:
         """Unmap ``chunk`` on this rank once it takes no allocations and holds no live block."""
@@ -229,9 +279,11 @@ class SharedHeap:
                 chunk.cached += 1
                 self.cached += n
                 return
+            self.kept -= self._kept.pop(chunk.start + offset, 0)
             if mm is not None and not mm.closed:
-                try:   # hand this rank's pages of the block back (its peers' are theirs)
+                try:   # hand this rank's pages of the block back, and unmap its peers'
                     mm.madvise(mmap.MADV_REMOVE, self.me * chunk.length + offset, n)
+                    self._unmap_peers(chunk, offset, 0, n)
                 except (OSError, ValueError):
                     pass
             self._maybe_drop(chunk)
@@ -249,6 +301,8 @@ class SharedHeap:
             self.closed = True
             self._cache.clear()
             self.cached = 0
+            self._kept.clear()
+            self.kept = 0
             for c in list(self.chunks):
                 c.cached = 0
                 c.open = False

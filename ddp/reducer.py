@@ -375,8 +375,11 @@ def shared_allocator(pycoll, group) -> Callable | None:
     if pycoll is None:
         return None
     # cache=False: a bucket lives until a rebuild replaces it, usually by buckets of other
-    # sizes, which a cached block would never serve while holding its pages.
-    return lambda numel, dtype: pycoll.empty_shared(numel, dtype=dtype, group=group, cache=False).zero_()
+    # sizes, which a cached block would never serve while holding its pages. unmap_peers:
+    # the buckets replace memory the user had in ordinary ones, so they count once in RSS
+    # (a few per cent of a step where the buckets are large: docs/ddp.md).
+    return lambda numel, dtype: pycoll.empty_shared(numel, dtype=dtype, group=group, cache=False,
+                                                    unmap_peers=True).zero_()
 
 
 def _remove_hooks(handles) -> None:

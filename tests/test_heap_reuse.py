@@ -161,20 +161,20 @@ def test_a_block_made_without_cache_gives_its_pages_back(cache):
 PEER_N = 300_001    # float32 elements: slices that end mid-page, at world 2 and 3
 
 
-def _peers_pages(rank, world):
+def _peers_pages(rank, world, unmap):
     """A registered all_reduce (twice: the second runs on pages the first unmapped),
     all_gather_into_tensor into and reduce_scatter_tensor from registered memory; the
     results, and how much of the heap this rank has mapped after."""
     import pycoll
 
-    x = pycoll.empty_shared(PEER_N)
+    x = pycoll.empty_shared(PEER_N, unmap_peers=unmap)
     ok = _summed(x, rank, world) and _summed(x, rank, world)
     inp = torch.arange(PEER_N, dtype=torch.float32) + rank
-    out = pycoll.empty_shared(world * PEER_N)
+    out = pycoll.empty_shared(world * PEER_N, unmap_peers=unmap)
     dist.all_gather_into_tensor(out, inp)
     ok &= all(torch.equal(out[q * PEER_N:(q + 1) * PEER_N], torch.arange(PEER_N, dtype=torch.float32) + q)
               for q in range(world))
-    big = pycoll.empty_shared(world * PEER_N)
+    big = pycoll.empty_shared(world * PEER_N, unmap_peers=unmap)
     big.copy_(torch.arange(world * PEER_N, dtype=torch.float32) * (rank + 1))
     mine = torch.empty(PEER_N)
     dist.reduce_scatter_tensor(mine, big)
@@ -184,18 +184,20 @@ def _peers_pages(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("budget", [None, 0])
-def test_peers_pages_stay_mapped_only_within_the_bound(world, budget):
-    """PYCOLL_SHM_PEER_BYTES bounds the peers' pages a rank keeps mapped (and so counted in
-    its RSS): beyond it the in-place collectives unmap them as they go, and the results are
-    the same, though the next collective faults them in again."""
+@pytest.mark.parametrize("unmap, budget", [(False, None), (False, 0), (True, None), (True, 0)])
+def test_peers_pages_are_unmapped_beyond_the_bound_when_asked(world, unmap, budget):
+    """Peers' pages stay mapped (and in this rank's RSS) by default; with unmap_peers, at
+    most PYCOLL_SHM_PEER_BYTES of them (8 MiB by default, which these fit in): beyond it the
+    in-place collectives unmap them as they go, and the results are the same, though the
+    next collective faults them in again."""
     env = {} if budget is None else {"PYCOLL_SHM_PEER_BYTES": str(budget)}
-    res = run_ranks(_peers_pages, world, backend="pycoll", env=env)
+    res = run_ranks(_peers_pages, world, unmap, backend="pycoll", env=env)
     own = PEER_N * 4 * (1 + 2 * world)                      # x, out and big: every page read or written
     touched = (world - 1) * (PEER_N * 4 // world + PEER_N * 4 + PEER_N * 4)  # slice of x, block of out, of big
     for s in res:
         assert s["ok"], res
-        if budget is None:     # 8 MiB by default: all of it stays mapped
-            assert s["kept"] >= touched - 4096 * world and s["rss"] >= own + touched - 16 * 4096, res
-        else:                  # only this rank's own pages (and a page or two at block ends)
+        if not unmap or budget is None:     # all of it stays mapped
+            assert s["rss"] >= own + touched - 16 * 4096, res
+            assert (s["kept"] >= touched - 4096 * world) if unmap else s["kept"] == 0, res
+        else:       # only this rank's own pages (and a page or two at block ends)
             assert s["kept"] == 0 and own <= s["rss"] <= own + 16 * 4096, res

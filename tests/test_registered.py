@@ -411,6 +411,38 @@ def test_ddp_rebuild_gives_the_old_buckets_memory_back():
         assert cached == 0 and live == len(after), (cached, live, after)
 
 
+def _ddp_bucket_rss(rank, world, budget):
+    from ddp import DistributedDataParallel
+    from tests.test_heap_reuse import _heap_rss
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))   # 16 MiB of grads
+    model = DistributedDataParallel(net, bucket_cap_mb=64, first_bucket_cap_mb=64)      # one bucket
+    x = torch.randn(4, 1024)
+    for _ in range(3):
+        model(x).sum().backward()
+    heap = dist.distributed_c10d._get_default_group().communicator.heap
+    grads = torch.cat([p.grad.flatten() for p in net.parameters()])
+    everyone = [torch.empty_like(grads) for _ in range(world)]
+    dist.all_gather(everyone, grads)
+    return {"rss": _heap_rss(), "bucket": model.reducer.buckets[0].buffer.nbytes, "kept": heap.kept,
+            "buckets": len(model.reducer.buckets), "equal": all(torch.equal(everyone[0], g) for g in everyone)}
+
+
+@pytest.mark.parametrize("budget", [None, 64 << 20])
+def test_ddp_buckets_count_once_in_rss(budget):
+    """A DDP rank keeps none of its peer's bucket pages mapped beyond PYCOLL_SHM_PEER_BYTES
+    (default 8 MiB; the half it reduces here is 8.4 MB): its share of the heap in RSS is
+    its own bucket, as with ordinary buckets. With a larger bound they stay mapped."""
+    env = {} if budget is None else {"PYCOLL_SHM_PEER_BYTES": str(budget)}
+    for s in run_ranks(_ddp_bucket_rss, 2, budget, backend="pycoll", env=env):
+        assert s["equal"] and s["buckets"] == 1, s
+        if budget is None:
+            assert s["kept"] == 0 and s["bucket"] <= s["rss"] <= s["bucket"] + 256 * 1024, s
+        else:
+            assert s["kept"] >= s["bucket"] // 2 - 4096 and s["rss"] >= s["bucket"] * 3 // 2 - 65536, s
+
+
 def test_ddp_on_gloo_keeps_plain_buckets():
     res = run_ranks(_ddp_train, 2, True, None, 0.25, backend="gloo")
     assert not any(res[0][1]) and res[0][2]

@@ -45,7 +45,7 @@ def can_share_memory(group=None) -> bool:
 
 
 def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None, *,
-                 cache: bool = True) -> torch.Tensor:
+                 cache: bool = True, unmap_peers: bool = False) -> torch.Tensor:
     """An uninitialised CPU tensor in ``group``'s shared heap (a collective: call it on
     every rank of the group, in the same order, with the same shape and dtype).
 
@@ -54,7 +54,15 @@ def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None, *,
     resident, for its next tensor of the same size; with ``cache=False`` (long-lived
     buffers) its pages go back to the system at once. Destroying the group frees what no
     tensor uses any more, and a killed process leaks nothing. A tensor stays valid after
-    its group is destroyed, as ordinary memory."""
+    its group is destroyed, as ordinary memory.
+
+    The in-place collectives map the part of every peer's copy that this rank works on,
+    and those pages count in this rank's RSS as well as in the peer's (once in PSS and in
+    a cgroup's charge). With ``unmap_peers`` this rank keeps at most
+    ``PYCOLL_SHM_PEER_BYTES`` (8 MiB) of them mapped, across such tensors, and unmaps the
+    rest as each collective finishes with them: RSS then counts the memory once, for 4-5
+    ms more per 48 MiB of peer pages a collective (faulting them in again; docs/shm.md).
+    DDP's buckets are made so."""
     if isinstance(shape, int):
         shape = (shape,)
     shape = tuple(int(s) for s in shape)
@@ -74,7 +82,7 @@ def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None, *,
             arena = comm.arena
             comm.heap = SharedHeap(backend.get_group_store(), "pycoll/heap", arena.me, arena.size,
                                    comm.timeout)
-        got.append(shm_registered.allocate(comm.arena, comm.heap, nbytes, seq, deadline, cache))
+        got.append(shm_registered.allocate(comm.arena, comm.heap, nbytes, seq, deadline, cache, unmap_peers))
 
     comm.submit("empty_shared", [], task, True).wait()
     if got[0] is None:

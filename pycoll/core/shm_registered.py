@@ -13,9 +13,10 @@ all_reduce needs no staging slot:
 A rank reads n bytes (its slice of P inputs) and writes n (its slice of P outputs): 2n of
 memory traffic against 3.5n-5n for the staged forms, one copy's worth, the least any
 all_reduce can move; and each slice is computed once, so the result is bitwise the same on
-every rank. A piece stays in the cache between its reduction and its copies out. The
-peers' pages a rank touched are unmapped piece by piece beyond a bound
-(``SharedHeap.unmapper``), so that they do not count in its RSS as well as in theirs.
+every rank. A piece stays in the cache between its reduction and its copies out. For
+blocks allocated with ``unmap_peers`` (DDP's buckets), the peers' pages a rank touched are
+unmapped piece by piece beyond a bound (``SharedHeap.unmapper``), so that they do not count
+in its RSS as well as in theirs.
 
 Agreement. Each rank puts its tensor's heap offset (+1; 0: not registered) in the extra
 word of its all_reduce signature, so a rank with registered memory meeting one without (or
@@ -228,11 +229,11 @@ def reduce_scatter(arena: ShmArena, heap: SharedHeap | None, out: torch.Tensor, 
 
 # -- allocation ------------------------------------------------------------------------
 def allocate(arena: ShmArena, heap: SharedHeap, nbytes: int, seq: int, deadline: float,
-             cache: bool = True):
+             cache: bool = True, unmap_peers: bool = False):
     """The collective behind ``empty_shared``: every local rank allocates ``nbytes`` at the
     same offset, or all fail. Returns (block, numpy uint8 array) or None for 0 bytes.
-    ``cache``: ``SharedHeap.alloc``'s (a rank's own choice: it only decides what this rank
-    does with its block when the block dies).
+    ``cache``, ``unmap_peers``: ``SharedHeap.alloc``'s (a rank's own choices: they only
+    decide what this rank does with its block when it dies and with its peers' pages).
 
     Word 7 (not compared) carries the cached block each rank proposes; it is reused only
     when every rank proposed the same one (``transport.shm.registered``: Agreement)."""
@@ -249,4 +250,4 @@ def allocate(arena: ShmArena, heap: SharedHeap, nbytes: int, seq: int, deadline:
     if not nbytes:
         return None
     agreed = reuse if all(arena.peer_word(q, 7) == reuse for q in range(arena.size)) else 0
-    return heap.alloc(nbytes, deadline, reuse=agreed, cache=cache)
+    return heap.alloc(nbytes, deadline, reuse=agreed, cache=cache, unmap_peers=unmap_peers)

@@ -31,15 +31,15 @@ read through them, until the group is destroyed).
 
 Peers' pages. A rank's RSS counts every page it has mapped, its peers' included, though
 such a page exists once (PSS divides it among the ranks). An in-place collective touches a
-share of every peer's copy (all_reduce: this rank's 1/P slice of each), which would then
-stay mapped and count in this rank's RSS for as long as the block lives. ``unmapper`` keeps
-at most ``PYCOLL_SHM_PEER_BYTES`` (default 8 MiB, what the staging slots a staged
-collective would touch instead amount to at world 2) of peers' pages mapped a rank, the
-first blocks to ask, so that small per-step buffers cost no page faults; the pieces of larger
-blocks are unmapped as the collective finishes with them (``MADV_DONTNEED``: the data stays,
-only this rank's page-table entries go) and faulted in again at the next one. Measured on
-this machine: 48 MiB of peer pages cost 4-5 ms more a collective that way (docs/shm.md), which
-registered buffers that replace ordinary ones must pay for their memory not to show twice.
+share of every peer's copy (all_reduce: this rank's 1/P slice of each), which then stays
+mapped, and counted in this rank's RSS too, for as long as the block lives. That is the
+fastest way, and the default. A block allocated with ``unmap_peers`` (DDP's buckets, which
+replace gradient memory users compare) counts once instead: ``unmapper`` keeps at most
+``PYCOLL_SHM_PEER_BYTES`` (default 8 MiB) of such blocks' peer pages mapped a rank, for the
+first blocks to ask, so that small buckets cost no faults; beyond it each piece's peer pages
+are unmapped as the collective finishes with them (``MADV_DONTNEED``: the data stays, only
+this rank's page-table entries go) and faulted in again at the next collective (measured:
+4-5 ms more per 48 MiB of peer pages, docs/shm.md).
 
 Lifetime. A chunk's segment is created by local rank 0 and mapped by the others through
 ``/proc/<pid>/fd/<n>``, as the arena is (``arena.py``); rank 0 closes its descriptor once
@@ -114,7 +114,9 @@ class SharedHeap:
         self.chunk_bytes = max(PAGE, -(-want // PAGE) * PAGE)
         self.cache_bytes = int(os.environ.get("PYCOLL_SHM_HEAP_CACHE_BYTES", DEFAULT_CACHE_BYTES))
         self.peer_bytes = int(os.environ.get("PYCOLL_SHM_PEER_BYTES", DEFAULT_PEER_BYTES))
-        # Blocks whose peers' pages stay mapped: global offset -> bytes of them, and the sum.
+        # Live blocks allocated with unmap_peers: global offset -> rounded size.
+        self._unmapping: dict[int, int] = {}
+        # Of those, the ones whose peers' pages stay mapped: global offset -> bytes of them.
         self._kept: dict[int, int] = {}
         self.kept = 0
         self.chunks: list[Chunk] = []
@@ -149,12 +151,12 @@ class SharedHeap:
             free = self._cache.get(_round(nbytes))
             return min(free) + 1 if free else 0
 
-    def alloc(self, nbytes: int, deadline: float, reuse: int = 0,
-              cache: bool = True) -> tuple[Block, np.ndarray]:
+    def alloc(self, nbytes: int, deadline: float, reuse: int = 0, cache: bool = True,
+              unmap_peers: bool = False) -> tuple[Block, np.ndarray]:
         """A block of ``nbytes`` (> 0) and this rank's copy of it as a numpy uint8 array:
         the cached block ``reuse`` names (what ``reusable`` said, agreed by every rank), or
         a bumped one. ``cache``: whether the block goes into the cache when the array dies
-        (else its pages are released at once).
+        (else its pages are released at once). ``unmap_peers``: see Peers' pages.
 
         Collective when it needs a new chunk (local rank 0 creates it, all map it). The
         block lives as long as the array (and whatever keeps the array alive)."""
@@ -165,6 +167,7 @@ class SharedHeap:
             if reuse:
                 cur, off = self._take(n, reuse - 1)
                 cur.live += 1
+                self._policy(cur.start + off, n, unmap_peers)
                 return self._array(cur, off, nbytes, n, cache)
             cur = self._fitting(n)
             if cur is None:
@@ -176,7 +179,15 @@ class SharedHeap:
             off = cur.used
             cur.used += n
             cur.live += 1
+            self._policy(cur.start + off, n, unmap_peers)
         return self._array(cur, off, nbytes, n, cache)
+
+    def _policy(self, global_offset: int, n: int, unmap_peers: bool) -> None:
+        if unmap_peers:
+            self._unmapping[global_offset] = n
+        else:
+            self._unmapping.pop(global_offset, None)
+            self.kept -= self._kept.pop(global_offset, 0)
 
     def _take(self, n: int, global_offset: int) -> tuple[Chunk, int]:
         free = self._cache.get(n)
@@ -227,13 +238,16 @@ class SharedHeap:
 
     # -- peers' pages ---------------------------------------------------------------------
     def unmapper(self, block: Block, touched: int):
-        """None when the peers' pages of ``block`` that a collective touches (``touched``
-        bytes of each peer's copy) may stay mapped on this rank, within ``peer_bytes``; else
-        ``unmap(lo, hi)``, which drops this rank's mapping of bytes [lo, hi) of ``block`` in
-        every peer's copy."""
+        """None when this rank keeps the peers' pages of ``block`` that a collective touches
+        (``touched`` bytes of each peer's copy) mapped: a block without ``unmap_peers``, or
+        one within ``peer_bytes``; else ``unmap(lo, hi)``, which drops this rank's mapping
+        of bytes [lo, hi) of ``block`` in every peer's copy."""
+        where = block.global_offset
         cost = touched * (self.size - 1)
-        key = block.global_offset
         with self._lock:
+            key = next((g for g, n in self._unmapping.items() if g <= where < g + n), None)
+            if key is None:
+                return None
             have = self._kept.get(key, 0)
             if cost <= have:
                 return None
@@ -279,6 +293,7 @@ class SharedHeap:
                 chunk.cached += 1
                 self.cached += n
                 return
+            self._unmapping.pop(chunk.start + offset, None)
             self.kept -= self._kept.pop(chunk.start + offset, 0)
             if mm is not None and not mm.closed:
                 try:   # hand this rank's pages of the block back, and unmap its peers'
@@ -301,6 +316,7 @@ class SharedHeap:
             self.closed = True
             self._cache.clear()
             self.cached = 0
+            self._unmapping.clear()
             self._kept.clear()
             self.kept = 0
             for c in list(self.chunks):

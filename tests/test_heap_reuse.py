@@ -133,6 +133,7 @@ def _pages_on_free(rank, world, cache):
     x = pycoll.empty_shared(BIG // 4, group=None, cache=cache)
     ok = _summed(x, rank, world)
     before = _heap_rss()
+    dist.barrier()          # (a peer freeing its block first would take its pages from ours)
     del x
     gc.collect()
     dist.barrier()          # every rank has let its copy go
@@ -180,7 +181,9 @@ def _peers_pages(rank, world, unmap):
     dist.reduce_scatter_tensor(mine, big)
     want = torch.arange(rank * PEER_N, (rank + 1) * PEER_N, dtype=torch.float32) * (world * (world + 1) / 2)
     ok &= torch.equal(mine, want)
-    return {"ok": ok, "rss": _heap_rss(), "kept": _heap().kept}
+    got = {"ok": ok, "rss": _heap_rss(), "kept": _heap().kept}
+    dist.barrier()          # nobody frees (and so unmaps its pages from the others) before all looked
+    return got
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -422,10 +422,11 @@ def _ddp_bucket_rss(rank, world, budget):
     for _ in range(3):
         model(x).sum().backward()
     heap = dist.distributed_c10d._get_default_group().communicator.heap
+    rss = _heap_rss()
     grads = torch.cat([p.grad.flatten() for p in net.parameters()])
     everyone = [torch.empty_like(grads) for _ in range(world)]
-    dist.all_gather(everyone, grads)
-    return {"rss": _heap_rss(), "bucket": model.reducer.buckets[0].buffer.nbytes, "kept": heap.kept,
+    dist.all_gather(everyone, grads)    # (and nobody frees its bucket before all measured)
+    return {"rss": rss, "bucket": model.reducer.buckets[0].buffer.nbytes, "kept": heap.kept,
             "buckets": len(model.reducer.buckets), "equal": all(torch.equal(everyone[0], g) for g in everyone)}
 
 

@@ -7,8 +7,8 @@ These hooks also work with torch's DDP, and torch's hooks work with ours.
 
 On a pycoll group whose ranks share one host, the compression hooks keep each bucket's
 compressed copy in registered memory (``pycoll.shared_scratch``), reused every step, so its
-all-reduce runs in place like our DDP's own buckets; torch's hooks allocate a new tensor
-each step, which takes the staged path.
+all-reduce runs in place like our DDP's own buckets (and, like them, counts once in RSS:
+``unmap_peers``); torch's hooks allocate a new tensor each step, which takes the staged path.
 """
 
 # No ``from __future__ import annotations`` here: torch's DDP checks that a hook's return
@@ -59,8 +59,10 @@ def _compressed(group, bucket, buffer: torch.Tensor, dtype: torch.dtype) -> torc
     pycoll = sharing_pycoll(group) if buffer.device.type == "cpu" else None
     if pycoll is None:
         return buffer.to(dtype)
-    # (a bucket's buffer is flat, as the scratch is)
-    return pycoll.shared_scratch(("ddp.hooks", bucket.index()), buffer.numel(), dtype, group).copy_(buffer)
+    # (a bucket's buffer is flat, as the scratch is; unmap_peers: DDP's memory counts once
+    # in RSS, as the buckets' does)
+    return pycoll.shared_scratch(("ddp.hooks", bucket.index()), buffer.numel(), dtype, group,
+                                 unmap_peers=True).copy_(buffer)
 
 
 def _compress_hook(process_group, bucket, dtype: torch.dtype) -> torch.futures.Future[torch.Tensor]:

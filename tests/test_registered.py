@@ -411,13 +411,15 @@ def test_ddp_rebuild_gives_the_old_buckets_memory_back():
         assert cached == 0 and live == len(after), (cached, live, after)
 
 
-def _ddp_bucket_rss(rank, world, budget):
-    from ddp import DistributedDataParallel
+def _ddp_bucket_rss(rank, world, budget, hook):
+    from ddp import DistributedDataParallel, hooks
     from tests.test_heap_reuse import _heap_rss
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))   # 16 MiB of grads
     model = DistributedDataParallel(net, bucket_cap_mb=64, first_bucket_cap_mb=64)      # one bucket
+    if hook:    # its compressed copy (8.4 MB, registered) is reduced instead of the bucket
+        model.register_comm_hook(None, hooks.fp16_compress_hook)
     x = torch.randn(4, 1024)
     for _ in range(3):
         model(x).sum().backward()
@@ -430,18 +432,21 @@ def _ddp_bucket_rss(rank, world, budget):
             "buckets": len(model.reducer.buckets), "equal": all(torch.equal(everyone[0], g) for g in everyone)}
 
 
-@pytest.mark.parametrize("budget", [None, 64 << 20])
-def test_ddp_buckets_count_once_in_rss(budget):
+@pytest.mark.parametrize("budget, hook", [(None, False), (64 << 20, False), (0, True), (64 << 20, True)])
+def test_ddp_buckets_count_once_in_rss(budget, hook):
     """A DDP rank keeps none of its peer's bucket pages mapped beyond PYCOLL_SHM_PEER_BYTES
     (default 8 MiB; the half it reduces here is 8.4 MB): its share of the heap in RSS is
-    its own bucket, as with ordinary buckets. With a larger bound they stay mapped."""
+    its own bucket, as with ordinary buckets; so with the fp16 hook, whose compressed copy
+    is reduced in its place. With a larger bound the peer's pages stay mapped."""
     env = {} if budget is None else {"PYCOLL_SHM_PEER_BYTES": str(budget)}
-    for s in run_ranks(_ddp_bucket_rss, 2, budget, backend="pycoll", env=env):
+    for s in run_ranks(_ddp_bucket_rss, 2, budget, hook, backend="pycoll", env=env):
         assert s["equal"] and s["buckets"] == 1, s
-        if budget is None:
-            assert s["kept"] == 0 and s["bucket"] <= s["rss"] <= s["bucket"] + 256 * 1024, s
+        own = s["bucket"] * 3 // 2 if hook else s["bucket"]    # the bucket (+ its fp16 copy)
+        reduced = own - s["bucket"] if hook else s["bucket"]   # what the all_reduce runs on
+        if not budget:
+            assert s["kept"] == 0 and own <= s["rss"] <= own + 256 * 1024, s
         else:
-            assert s["kept"] >= s["bucket"] // 2 - 4096 and s["rss"] >= s["bucket"] * 3 // 2 - 65536, s
+            assert s["kept"] >= reduced // 2 - 4096 and s["rss"] >= own + reduced // 2 - 65536, s
 
 
 def test_ddp_on_gloo_keeps_plain_buckets():

@@ -91,7 +91,8 @@ def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None, *,
     return torch.from_numpy(arr).view(dtype).view(shape)
 
 
-def shared_scratch(key, numel: int, dtype: torch.dtype, group=None) -> torch.Tensor:
+def shared_scratch(key, numel: int, dtype: torch.dtype, group=None, *,
+                   unmap_peers: bool = False) -> torch.Tensor:
     """A flat registered tensor that ``group`` keeps under ``key`` for reuse: the same
     tensor at every call while ``numel`` and ``dtype`` stay the same, a new one (through
     ``empty_shared``, so a collective) when they change or at the first call. For per-step
@@ -100,12 +101,12 @@ def shared_scratch(key, numel: int, dtype: torch.dtype, group=None) -> torch.Ten
 
     The caller owns the contents; a tensor is reused while an earlier user may still hold
     it, so only one use of a key may be in flight at a time. Destroying the group drops them
-    (``Communicator.shutdown``)."""
+    (``Communicator.shutdown``). ``unmap_peers``: ``empty_shared``'s, for a new tensor."""
     cache = _backend(group).communicator.scratch
     t = cache.get(key)
     if t is None or t.numel() != numel or t.dtype != dtype:
         cache.pop(key, None)    # (its memory goes back to the heap before the new block)
-        t = cache[key] = empty_shared(numel, dtype, group, cache=False)   # long-lived
+        t = cache[key] = empty_shared(numel, dtype, group, cache=False, unmap_peers=unmap_peers)   # long-lived
     return t
 
 

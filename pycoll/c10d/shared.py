@@ -60,7 +60,7 @@ def empty_shared(shape, dtype: torch.dtype = torch.float32, group=None, *,
     and those pages count in this rank's RSS as well as in the peer's (once in PSS and in
     a cgroup's charge). With ``unmap_peers`` this rank keeps at most
     ``PYCOLL_SHM_PEER_BYTES`` (8 MiB) of them mapped, across such tensors, and unmaps the
-    rest as each collective finishes with them: RSS then counts the memory once, for 4-5
+    rest as each collective finishes with them: RSS then counts the memory once, for 4-7
     ms more per 48 MiB of peer pages a collective (faulting them in again; docs/shm.md).
     DDP's buckets are made so."""
     if isinstance(shape, int):

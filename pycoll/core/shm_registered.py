@@ -208,7 +208,7 @@ def reduce_scatter(arena: ShmArena, heap: SharedHeap | None, out: torch.Tensor, 
         bufs = heap.tensor_views(block, inp.nbytes, dt)
         dst, combine = out, red.combine
     step = max(1, PIECE_BYTES // dt.itemsize)
-    unmap = heap.unmapper(block, c * dt.itemsize) if L > 1 else None
+    unmap = heap.unmapper(block, c * dt.itemsize)    # (None alone: no peers)
 
     def pull() -> None:
         for a in range(0, c, step):   # in rank order, as the staged form

@@ -39,7 +39,7 @@ replace gradient memory users compare) counts once instead: ``unmapper`` keeps a
 first blocks to ask, so that small buckets cost no faults; beyond it each piece's peer pages
 are unmapped as the collective finishes with them (``MADV_DONTNEED``: the data stays, only
 this rank's page-table entries go) and faulted in again at the next collective (measured:
-4-5 ms more per 48 MiB of peer pages, docs/shm.md).
+4-7 ms more per 48 MiB of peer pages, docs/shm.md).
 
 Lifetime. A chunk's segment is created by local rank 0 and mapped by the others through
 ``/proc/<pid>/fd/<n>``, as the arena is (``arena.py``); rank 0 closes its descriptor once
@@ -118,7 +118,6 @@ class SharedHeap:
         self._unmapping: dict[int, int] = {}
         # Of those, the ones whose peers' pages stay mapped: global offset -> bytes of them.
         self._kept: dict[int, int] = {}
-        self.kept = 0
         self.chunks: list[Chunk] = []
         # Freed blocks kept for reuse: rounded size -> {global offset: (chunk, offset)}.
         self._cache: dict[int, dict[int, tuple[Chunk, int]]] = {}
@@ -187,7 +186,7 @@ class SharedHeap:
             self._unmapping[global_offset] = n
         else:
             self._unmapping.pop(global_offset, None)
-            self.kept -= self._kept.pop(global_offset, 0)
+            self._kept.pop(global_offset, None)
 
     def _take(self, n: int, global_offset: int) -> tuple[Chunk, int]:
         free = self._cache.get(n)
@@ -237,6 +236,11 @@ class SharedHeap:
         return [t[o:o + nbytes].view(dtype) for t in c.tensors]
 
     # -- peers' pages ---------------------------------------------------------------------
+    @property
+    def kept(self) -> int:
+        """Bytes of peers' pages that ``unmap_peers`` blocks keep mapped on this rank."""
+        return sum(self._kept.values())
+
     def unmapper(self, block: Block, touched: int):
         """None when this rank keeps the peers' pages of ``block`` that a collective touches
         (``touched`` bytes of each peer's copy) mapped: a block without ``unmap_peers``, or
@@ -253,7 +257,6 @@ class SharedHeap:
                 return None
             if self.kept - have + cost <= self.peer_bytes:
                 self._kept[key] = cost
-                self.kept += cost - have
                 return None
         return functools.partial(self._unmap_peers, block.chunk, block.offset)
 
@@ -293,8 +296,7 @@ class SharedHeap:
                 chunk.cached += 1
                 self.cached += n
                 return
-            self._unmapping.pop(chunk.start + offset, None)
-            self.kept -= self._kept.pop(chunk.start + offset, 0)
+            self._policy(chunk.start + offset, n, False)
             if mm is not None and not mm.closed:
                 try:   # hand this rank's pages of the block back, and unmap its peers'
                     mm.madvise(mmap.MADV_REMOVE, self.me * chunk.length + offset, n)
@@ -318,7 +320,6 @@ class SharedHeap:
             self.cached = 0
             self._unmapping.clear()
             self._kept.clear()
-            self.kept = 0
             for c in list(self.chunks):
                 c.cached = 0
                 c.open = False

@@ -31,7 +31,7 @@ from pycoll.core.observer import Observer, Observers
 from pycoll.core.tuner import Tuner
 from pycoll.core.work import Work, finished
 from pycoll.errors import CommTimeoutError, PycollError, root_cause
-from pycoll.transport import waits
+from pycoll.transport import spin
 from pycoll.transport.p2p import P2PEngine
 
 log = logging.getLogger("pycoll")
@@ -218,7 +218,7 @@ class Communicator:
                                       f"{type(exc).__name__}: {exc}"))
 
     def _work_loop(self) -> None:
-        waits.run_in_background()
+        spin.run_in_background()
         while True:
             with self._cv:
                 while not self._queue and not self._closed:

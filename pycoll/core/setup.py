@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from pycoll import rendezvous
 from pycoll.core.executor import DEFAULT_SEGMENT_BYTES, Executor
-from pycoll.transport import waits
+from pycoll.transport import spin
 from pycoll.transport.base import Transport
 from pycoll.transport.shm.arena import ShmArena
 from pycoll.transport.tcp.mesh import build_mesh
@@ -47,15 +47,13 @@ def crowded_cores(mode: str, local_ranks: int) -> int | None:
     """This host's cores when every rank runs the TCP rounds and they outnumber the cores
     (forced TCP on one host), for the tuner to price crowded rounds; else None. On the
     hierarchical path only one rank per host runs the TCP schedule."""
-    cores = waits.cores()
+    cores = spin.cores()
     return cores if mode == "tcp" and local_ranks > cores else None
 
 
-def tcp_spin(local_ranks: int) -> float:
-    """Seconds a TCP step polls before it blocks: ``PYCOLL_TCP_SPIN_US`` (1000), or 0 when
-    this host's ranks have no cores to spare (``waits.cores_to_spare``)."""
-    if not waits.cores_to_spare(local_ranks):
-        return 0.0
+def tcp_spin() -> float:
+    """The longest a TCP step polls before it blocks: ``PYCOLL_TCP_SPIN_US`` (1000). Whether
+    and how long a step does poll is decided per step (``transport.spin``)."""
     return max(0.0, float(os.environ.get("PYCOLL_TCP_SPIN_US", 1000)) / 1e6)
 
 
@@ -86,7 +84,7 @@ def wire(store, rank: int, world: int, timeout: float, observe_transport=None) -
     coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
     tcp = TcpTransport(rank, world, coll_socks)
     local = [r for r in range(world) if hosts[r] == hosts[rank]]
-    tcp.spin = tcp_spin(len(local))
+    tcp.spin = tcp_spin()
     transport = wrap(tcp)
     segment = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
     w = Wiring(mode, hosts, tcp, transport, Executor(transport, segment), p2p_socks)

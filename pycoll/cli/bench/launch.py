@@ -31,6 +31,7 @@ from pathlib import Path
 
 from pycoll.cli.bench import ref, report
 from pycoll.cli.bench.collectives import COLLECTIVES, DTYPES, OPS
+from pycoll.cli.bench.load import Busy
 
 # The folder that holds this pycoll package: the rank processes must import the same one.
 PACKAGE_ROOT = Path(__file__).resolve().parents[3]
@@ -96,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--glibc-tunables", action="store_true",
                    help=f"set GLIBC_TUNABLES={GLIBC_FIX} for the rank processes (announced)")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--load", type=int, default=0, metavar="N",
+                   help="run beside N busy processes (plain Python loops), as a user's machine is "
+                        "never idle; the header states the load")
     return p
 
 
@@ -201,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in args.collectives if c not in COLLECTIVES]
     if bad:
         p.error(f"unknown collective(s) {bad}; choose from {','.join(COLLECTIVES)}")
-    if args.world_size < 1 or args.iters < 1 or args.warmup < 0:
-        p.error("need --world-size >= 1, --iters >= 1, --warmup >= 0")
+    if args.world_size < 1 or args.iters < 1 or args.warmup < 0 or args.load < 0:
+        p.error("need --world-size >= 1, --iters >= 1, --warmup >= 0, --load >= 0")
     try:
         sizes = size_sweep(args.min_bytes, args.max_bytes, args.step_factor)
     except ValueError as e:
@@ -233,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = ref.measure(args.ref_seconds, args.world_size)  # before the ranks: nothing competes
     docs = []
-    with tempfile.TemporaryDirectory(prefix="pycoll-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pycoll-bench-") as tmp, Busy(args.load) as busy:
         if torch_backends:
             try:
                 docs += run_torch_ranks(cfg, args.world_size, tmp, env, deadline)
@@ -253,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         "world_size": args.world_size, "dtype": args.dtype, "op": args.op, "iters": args.iters,
         "warmup": args.warmup, "rounds": min(args.rounds, args.iters), "sizes": sizes,
         "timing": args.timing, "backends": order, "argv": argv, "notes": meta_notes,
+        "load": args.load, "load_text": busy.describe(),
         "python": platform.python_version(),
         "torch": __import__("torch").__version__, "host": platform.node(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -129,6 +129,8 @@ def format_header(result: dict, order: list[str]) -> str:
              f"interleaved rounds)  warmup {m['warmup']}  timing {m.get('timing', 'each')}",
              "# time: median over iterations of the per-iteration mean over ranks; "
              "GB/s = 1e9 B/s; ratio X/base = time(base)/time(X), > 1: X faster"]
+    if "load_text" in m:
+        lines.append(f"# load: {m['load_text']} beside the ranks")
     if ref:
         lines.append(f"# reference, this run: loopback TCP {ref['tcp_loopback_one_way_GBps']:.2f}"
                      f" GB/s one way, {ref['tcp_loopback_each_way_bidir_GBps']:.2f} GB/s each way"

@@ -12,8 +12,9 @@ lives exactly as long as a mapping or descriptor of it, so ``kill -9`` of any ra
 moment, during init too, leaves nothing behind: there is nothing in /dev/shm to leak.
 
 Sync: ``sync()`` is a barrier over epochs. Each rank owns its epoch word (single writer, so
-a plain store suffices on x86's ordered stores). A waiter spins briefly (only where every
-rank has a core: ``spin_budget``; longer in the barrier after one that slept), then raises
+a plain store suffices on x86's ordered stores). A waiter polls briefly, yielding the core at
+each turn, only while no other task waits for a core (``transport.spin``: decided at run
+time, per wait), then raises
 its sleep word and blocks in FUTEX_WAIT in slices of 50 ms, between which it checks the
 deadline, peers' abort flags and whether the peer's process still exists. A rank blocked in
 a barrier therefore uses almost no CPU, and a dead peer is noticed within 50 ms. A rank that
@@ -36,6 +37,7 @@ import numpy as np
 import torch
 
 from pycoll.errors import CommTimeoutError, MismatchError, PeerClosedError
+from pycoll.transport import spin as spinning
 from pycoll.transport import waits
 from pycoll.transport.shm import futex, segment
 
@@ -48,44 +50,11 @@ WAIT_SLICE = 0.05
 
 log = logging.getLogger("pycoll")
 
+# The longest a barrier polls (when nothing else wants the core; transport/spin.py): it must
+# outlast a futex wake-up (50-250 us on this VM, sometimes more), or two ranks fall into
+# taking turns to sleep, each waking the other late. Spinning 2000 polls (~0.3 ms) left whole
+# runs of 8 B - 64 KiB all_reduces at 270-450 us; 2 ms, at 40-80 us (docs/shm.md).
 SPIN_SECONDS = 0.002
-# The barrier after one that slept spins longer: the peer that woke this rank is now the
-# one waiting, for as long as this rank's wake-up took. A wake-up slower than SPIN_SECONDS
-# would otherwise make the two ranks wake each other late op after op, as the 0.3 ms spin
-# did with ordinary wake-ups (docs/shm.md); with this, such a run ends after one op.
-SPIN_AFTER_SLEEP = 0.016
-
-
-def spin_budget(local_ranks: int, tell: bool = False) -> float:
-    """Seconds a barrier polls a peer's epoch before it blocks in the kernel.
-
-    Spinning pays only while every local rank has a core of its own: then a peer's arrival is
-    seen within a microsecond, where a futex wake-up costs tens to hundreds of microseconds on
-    a VM. It must outlast that wake-up, or two ranks fall into taking turns to sleep: each
-    wakes the other late, which then finds the next barrier's peer asleep too. Spinning 2000
-    polls (~0.3 ms) left whole runs of 8 B - 64 KiB all_reduces at 270-450 us; 2 ms, at
-    40-80 us. Once the ranks plus torch's intra-op threads outnumber the cores, a spinning
-    rank takes the core a peer (or the peer's intra-op thread) needs: measured here with 2
-    ranks x 2 threads on 2 cores, a 1 MiB all_reduce after a parallel torch op took 3.0 ms
-    spinning, 0.67 ms not.
-    """
-    cores = waits.cores()
-    threads = torch.get_num_threads()
-    if tell and local_ranks <= cores < local_ranks * threads and not _told_oversubscribed:
-        _tell_oversubscribed(local_ranks, threads, cores)
-    return SPIN_SECONDS if waits.cores_to_spare(local_ranks) else 0.0
-
-
-_told_oversubscribed = False
-
-
-def _tell_oversubscribed(ranks: int, threads: int, cores: int) -> None:
-    global _told_oversubscribed
-    _told_oversubscribed = True
-    log.warning("pycoll: %d local ranks x %d torch intra-op threads > %d cores; shared-memory "
-                "barriers will block instead of spin. Set OMP_NUM_THREADS (torchrun sets it to 1 "
-                "for several ranks per host) before starting the ranks for lower latency.",
-                ranks, threads, cores)
 
 
 @functools.lru_cache(maxsize=None)
@@ -120,8 +89,9 @@ class ShmArena:
         self._slots = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.ctrl_bytes,
                                        count=2 * size * self.slot_bytes)
         self.epoch = 0
-        self.spin = spin_budget(size, tell=local_rank == 0)
-        self._spin_now = self.spin   # this barrier's budget: SPIN_AFTER_SLEEP after one that slept
+        self.spin = SPIN_SECONDS if size > 1 else 0.0
+        self._tasks = spinning.RunnableTasks()
+        self.spins = spinning.SpinPolicy(self.spin, self._tasks)
         w = self._me_word = self.me * LINE // 4
         self._my_epoch = ctypes.c_void_p(self._base + w * 4)
         self._peer_epoch_words = tuple((r, r * LINE // 4) for r in range(size) if r != local_rank)
@@ -239,12 +209,9 @@ class ShmArena:
             if ctrl[w]:
                 futex.wake(self._my_epoch)
                 break
-        slept = False
-        # The group's worker runs asynchronous ops while its caller computes (DDP's buckets
-        # during backward): its barriers poll only briefly, leaving the core to that work.
-        spin = min(self._spin_now, waits.spin_cap()) if self.spin else 0.0
+        slept = polling = False
+        spins = self.spins
         for r, word in self._peer_epoch_words:
-            spin_end = None
             while True:
                 v = ctrl[word]
                 if v >= target:
@@ -254,12 +221,15 @@ class ShmArena:
                 if ctrl[word + 1] and ctrl[word] < target:
                     raise PeerClosedError(f"{what}: rank {self.ranks[r]} left the group: {self._reason(r)}",
                                           rank=self.ranks[self.me], peer=self.ranks[r])
-                if spin:
-                    now = time.perf_counter()
-                    if spin_end is None:   # (a partial all-reduce's activation hook is not kept waiting)
-                        spin_end = now + min(spin, waits.due(time.monotonic()))
-                    if now < spin_end:
+                if not slept:
+                    now = time.monotonic()
+                    if not polling:   # (a partial all-reduce's activation hook is not kept waiting)
+                        polling = spins.begin(now, waits.due(now))
+                        if polling:
+                            continue
+                    elif spins.poll(now):
                         continue
+                    polling = False
                 now = time.monotonic()
                 left = deadline - now
                 if left <= 0:
@@ -277,7 +247,9 @@ class ShmArena:
                                               rank=self.ranks[self.me], peer=self.ranks[r])
         if slept:
             ctrl[me_word + SLEEP] = 0
-        self._spin_now = SPIN_AFTER_SLEEP if slept else self.spin   # (read only when self.spin)
+            spins.unanswered()
+        else:
+            spins.answered()
 
     def progress(self) -> dict | None:
         """The running collective's barrier state, for the hang dump: its signature words, how
@@ -314,6 +286,7 @@ class ShmArena:
         # keeps the process alive, so the pid check alone would not end their wait).
         self.abort("destroyed its process group")
         self.closed = True
+        self._tasks.close()
         # The numpy/torch/ctypes views export the mmap's buffer; drop them before closing.
         self._words.release()
         del self._ctrl, self._sig, self._slots, self._words

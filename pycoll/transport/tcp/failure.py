@@ -35,6 +35,7 @@ from pycoll.errors import (
     PeerClosedError,
     ProtocolError,
 )
+from pycoll.transport import spin
 from pycoll.transport.base import control_error
 from pycoll.transport.frames import control_reason, frames, garbage, next_frame
 from pycoll.transport.tcp.conn import READ_AHEAD, Conn, RecvState, SendState
@@ -63,6 +64,7 @@ class SharedState:
         self.wake_r, self.wake_w = os.pipe()      # wakes an exchange when abort() is called
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
+        self.tasks = spin.RunnableTasks()         # whether a step may poll (transport/spin.py)
 
 
 LIVE: "weakref.WeakSet[FailureHandling]" = weakref.WeakSet()  # transports not yet closed
@@ -309,6 +311,7 @@ class FailureHandling:
             self.conns = {}
             os.close(self._shared.wake_r)
             os.close(self._shared.wake_w)
+            self._shared.tasks.close()
         finally:
             if locked:
                 self._shared.lock.release()

@@ -9,16 +9,15 @@ a later frame that arrive early stay in that buffer for the next step. Because s
 receives progress together, a step where every rank sends and receives at once cannot
 deadlock on full socket buffers. Every wait has the collective's deadline.
 
-A step that finds nothing to do keeps polling its sockets before it blocks in ``poll``, for
-up to ``spin`` seconds (``PYCOLL_TCP_SPIN_US``, 1000 by default, set by the group when every
-local rank has a core to spare), and 0.1 ms at most in the group's worker, which runs
-asynchronous ops while the caller computes (``waits.spin_cap``). How long is learned
-(``waits.AdaptiveSpin``: a spin left unanswered halves the next, a step that never blocked
-restores it). The poll yields the core at each turn (``sched_yield``), so a thread waiting
-for it, often the one the peer's answer depends on, is not kept off it by the spin.
-A peer's answer then costs no wake-up: on this VM a wake-up took 50-250 us, which left small
-all_reduces at 120-300 us in runs where blocking ranks woke each other late op after op
-(docs/performance.md).
+A step that finds nothing to do polls its sockets before it blocks in ``poll``, for up to
+``spin`` seconds (``PYCOLL_TCP_SPIN_US``, 1000 by default), and only while no other task waits
+for a core: ``transport.spin`` decides per step, from the machine's runnable tasks, how the
+peers answered the last spins (``AdaptiveSpin``), and the thread (0.1 ms at most in the
+group's worker, which runs asynchronous ops while the caller computes). The poll yields the
+core at each turn (``sched_yield``), so a thread waiting for it, often the one the peer's
+answer depends on, is not kept off it by the spin. A peer's answer then costs no wake-up: on
+this VM a wake-up took 50-250 us, which left small all_reduces at 120-300 us in runs where
+blocking ranks woke each other late op after op (docs/performance.md).
 
 Failure handling (ABORT/BYE frames, watching idle connections, error texts, abort, sever
 and close) lives in ``failure``; ``TcpTransport`` inherits it. ``progress()`` says how far
@@ -27,13 +26,13 @@ the step in progress got, per peer (the hang dump asks).
 
 from __future__ import annotations
 
-import os
 import select
 import socket
 import time
 from typing import Sequence
 
 from pycoll.errors import CommError, PeerClosedError, ProtocolError
+from pycoll.transport import spin as spinning
 from pycoll.transport import waits
 from pycoll.transport.base import (
     InFrame,
@@ -78,7 +77,7 @@ class TcpTransport(FailureHandling, Transport):
         self._cur = None  # signature of the collective being exchanged
         self._progress = None   # (sends, receives) still open in the step in progress
         self.spin = 0.0         # seconds a step may poll before it blocks (set by the group)
-        self._spins = None      # waits.AdaptiveSpin over ``spin``, made at the first step
+        self._spins = None      # spin.SpinPolicy over ``spin``, made at the first step
         LIVE.add(self)
 
     def subset(self, ranks: list[int]) -> "TcpTransport":
@@ -177,14 +176,10 @@ class TcpTransport(FailureHandling, Transport):
                 self._cur = None
         peeked: set[int] = set()
         peer = -1
-        spins, spin_until, spun, learn = self._spins, 0.0, 0.0, False
-        if self.spin:
-            if spins is None or spins.full != self.spin:
-                spins = self._spins = waits.AdaptiveSpin(self.spin)
-            budget = spins.budget()
-            spun = min(budget, waits.spin_cap())
-            learn = spun == budget      # a capped spin (the worker's) teaches nothing
-            spin_until = time.monotonic() + spun if spun else 0.0
+        spins = self._spins
+        if self.spin and (spins is None or spins.full != self.spin):
+            spins = self._spins = spinning.SpinPolicy(self.spin, self._shared.tasks)
+        polling = None if spins is not None else False   # None: decided when a step first waits
         blocked = False
         try:
             while active or recvs:
@@ -198,24 +193,28 @@ class TcpTransport(FailureHandling, Transport):
                     if self.aborted is not None:
                         raise self._aborted_error(what)
                     if not progressed:
-                        if spin_until:
-                            if time.monotonic() < spin_until:
-                                # Let a thread that waits for this core run first (the
-                                # peer's wake-up, or a thread it waits for): spinning
-                                # through it stalled ops ~1.3 ms (docs/performance.md).
-                                os.sched_yield()
+                        # Polling past the grace yields the core at each turn: a thread that
+                        # waits for it (the peer's wake-up, or a thread it waits for) runs
+                        # first; spinning through it stalled ops ~1.3 ms (docs/performance.md).
+                        if polling is None:
+                            polling = spins.begin(time.monotonic())
+                            if polling:
                                 continue
-                            spin_until = 0.0
-                            if learn:
-                                spins.unanswered(spun)
+                        elif polling:
+                            if spins.poll(time.monotonic()):
+                                continue
+                            polling = False
                         blocked = True
                         self._wait(active, recvs, deadline, what, peeked)
                     elif time.monotonic() > deadline:
                         raise self._timeout(active, recvs, what)
             # A step that never blocked had its peers in time, whether it had to poll for
             # them or found their frames already there: the next gets the whole budget.
-            if learn and not blocked:
-                spins.answered()
+            if spins is not None:
+                if blocked:
+                    spins.unanswered()
+                else:
+                    spins.answered()
         except CommError:
             raise
         except EOFError:

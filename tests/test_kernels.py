@@ -4,7 +4,6 @@ and the spin rule of shared-memory barriers."""
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -12,7 +11,6 @@ import torch.distributed as dist
 
 from pycoll.core import kernels
 from pycoll.core.reductions import make_reduction
-from pycoll.transport.shm.arena import spin_budget
 
 DTYPES = [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
           torch.bfloat16, torch.float32, torch.float64, torch.complex64, torch.complex128]
@@ -106,16 +104,3 @@ def test_numpy_at_needs_no_grad_mode_and_stays_bounded():
         kernels.numpy_at(x)
     assert len(kernels._VIEWS) <= kernels._VIEWS_MAX
     assert kernels.numpy_at(torch.empty(0)).shape == (0,)
-
-
-def test_spin_only_where_every_rank_and_thread_has_a_core():
-    cores = len(os.sched_getaffinity(0))
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        assert spin_budget(1) > 0
-        assert spin_budget(cores + 1) == 0
-        torch.set_num_threads(cores)
-        assert spin_budget(2) == 0            # 2 ranks x all cores' threads each
-    finally:
-        torch.set_num_threads(threads)

@@ -302,58 +302,6 @@ def test_peer_that_destroys_its_group_is_reported_at_once():
     assert delay < 2.0 and "rank 1" in text and "destroyed its process group" in text, res
 
 
-def test_the_barrier_after_a_sleep_spins_long_enough_to_catch_a_late_waker():
-    """Two arenas in two threads. Barrier 1: the peer is 50 ms late, so rank 0 sleeps.
-    Barrier 2: the peer is 6 ms late (as a rank is after a slow wake-up): more than the
-    base spin, so without the longer spin rank 0 would sleep again, and two ranks whose
-    wake-ups outlast the spin wake each other late op after op."""
-    import sys
-
-    from pycoll.transport.shm import arena as shm
-    from pycoll.transport.shm import futex
-
-    store = dist.HashStore()
-    arenas = [None, None]
-    sleeps = []
-    real_wait = futex.wait
-
-    def counting_wait(addr, expected, seconds):
-        if threading.current_thread().name == "rank0":
-            sleeps.append(seconds)
-        real_wait(addr, expected, seconds)
-
-    def rank(r):
-        a = arenas[r] = shm.ShmArena(store, "spin", r, 2, [0, 1], 10.0, slot_bytes=4096)
-        a.spin = a._spin_now = shm.SPIN_SECONDS    # whatever this machine's core count
-        for late in (0.05, 0.006):
-            if r == 1:
-                time.sleep(late)
-            else:
-                del sleeps[:]
-            a.sync(time.monotonic() + 10, "test")
-        if r == 0:
-            results.append(list(sleeps))
-
-    results = []
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(0.0005)    # the two ranks share one GIL here
-    futex.wait = counting_wait
-    try:
-        threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
-    finally:
-        futex.wait = real_wait
-        sys.setswitchinterval(switch)
-        for a in arenas:
-            if a is not None:
-                a.close()
-    assert results == [[]], f"rank 0 slept in the barrier after a sleep: {results}"
-
-
-# -- segment lifetime at init --------------------------------------------------------------------
 def _killed_between_create_and_map(rank, world):
     """Local rank 0 is killed the moment it has published its new segment, before any other
     rank could map it: the window in which a named segment would be left behind."""

@@ -178,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     if results is None:
         return 1
     world = args.world_size
+    # The figures depend on what else runs (pycoll's waits adapt to it): say what did.
     print(f"pycoll demo: {world} rank{'s' * (world != 1)} on this machine ({os.cpu_count()} "
-          f"cores, load average {load:.1f} at the start)\n"
+          f"cores, load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end)\n"
           "every collective on pycoll and on gloo, same inputs, checked and timed\n")
     failed_rows = report_collectives(results, args.rounds)
     failed = [f"{failed_rows} collective(s) wrong or unlike gloo"] if failed_rows else []

@@ -52,7 +52,7 @@ def group_secret(store, rank: int) -> bytes:
         value = bytes.fromhex(get(store, "pycoll/secret"))
     key = auth_key()
     if key is None:
-        _tell_no_key()
+        _tell_no_key(rank)
         return value
     return hmac.new(key, b"pycoll-group-secret" + value, hashlib.sha256).digest()
 
@@ -82,14 +82,21 @@ def auth_key() -> bytes | None:
 _told = False
 
 
-def _tell_no_key() -> None:
+def _tell_no_key(rank: int) -> None:
+    """One line, once per job (rank 0's first group), that no key is set; the whole story
+    at debug level (``PYCOLL_DEBUG``): every rank of every job printing five lines at every
+    init drowned the users' own output, and gloo prints nothing."""
     global _told
-    if not _told:
-        _told = True
-        log.warning("pycoll: no PYCOLL_AUTH_KEY: connections are authenticated with a secret kept in "
-                    "the c10d Store, so they are only as safe as the Store is unreachable to others "
-                    "(torch's TCPStore listens on every interface). Give every rank the same "
-                    "PYCOLL_AUTH_KEY or PYCOLL_AUTH_KEY_FILE (docs/faults.md, threat model).")
+    if _told:
+        return
+    _told = True
+    if rank == 0:
+        log.warning("pycoll: no PYCOLL_AUTH_KEY set: connections are as safe as the Store is "
+                    "private (docs/faults.md, threat model)")
+    log.debug("pycoll: no PYCOLL_AUTH_KEY: connections are authenticated with a secret kept in "
+              "the c10d Store, so they are only as safe as the Store is unreachable to others "
+              "(torch's TCPStore listens on every interface). Give every rank the same "
+              "PYCOLL_AUTH_KEY or PYCOLL_AUTH_KEY_FILE.")
 
 
 def local_address() -> str:

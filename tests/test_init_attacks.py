@@ -177,3 +177,20 @@ def test_the_handshake_never_reads_past_its_last_message():
     assert client.wanted() == 0 and server.wanted() == 0
     assert (server.peer, server.channel) == (1, 0)
     assert encode(["x"])[:4] == (len(encode(["x"])) - 4).to_bytes(4, "little")
+
+
+def test_a_missing_key_is_one_line_from_rank_0_once_and_the_whole_story_at_debug(caplog, monkeypatch):
+    import logging
+
+    from pycoll import rendezvous
+
+    for rank, lines in ((1, 0), (0, 1)):
+        monkeypatch.setattr(rendezvous, "_told", False)
+        caplog.clear()
+        with caplog.at_level(logging.DEBUG, logger="pycoll"):
+            rendezvous._tell_no_key(rank)
+            rendezvous._tell_no_key(rank)          # a second group in the same process
+        warned = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert len(warned) == lines and all("\n" not in r.getMessage() for r in warned), warned
+        assert sum("PYCOLL_AUTH_KEY_FILE" in r.getMessage() for r in caplog.records
+                   if r.levelno == logging.DEBUG) == 1

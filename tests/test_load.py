@@ -5,10 +5,12 @@ as many as make the ranks plus them one more than the cores, so that someone alw
 for a core, as on a user's machine with DataLoader workers or a second job. Then:
 
 - a 4 MiB all_reduce on pycoll costs no more than gloo's in the same ranks, interleaved,
-  medians (a ratio with a generous margin, never an absolute time). With a spin decided at
-  init, it ran at 0.25-0.62x gloo here;
+  medians (a ratio with a generous margin, never an absolute time). The bench put the spin
+  decided at init at 0.25-0.62x gloo; in this short harness the old tree passes too, so this
+  one guards against falling below gloo rather than proving the fix;
 - a rank that waits for a peer busy computing leaves it the core: its CPU time stays a
-  small share of the wall time it waited. A spin decided at init burned the whole wait.
+  small share of the wall time it waited (under 25%; 8-13% measured). A spin decided at init
+  burned about half (48-52% in one of the two transports in each run of the old tree).
 
 Both over shared memory (the default on one host) and over TCP.
 """
@@ -89,11 +91,11 @@ def _wait_for_a_computing_peer(rank, world, ops, compute):
 @needs_few_cores
 @pytest.mark.parametrize("env", TRANSPORTS)
 def test_a_rank_waiting_for_a_computing_peer_leaves_the_core_on_a_busy_machine(env):
-    # Rank 1 computes 1.5 ms before each of 100 all_reduces, beside busy processes. A rank
+    # Rank 1 computes 1.5 ms before each of 150 all_reduces, beside busy processes. A rank
     # that spins through its waits (2 ms, 16 ms after one that slept: the rule decided at
     # init) uses about all of its wall time; one that yields, a small share.
     with Busy(BUSY):
-        res = run_ranks(_wait_for_a_computing_peer, 2, 100, 0.0015, backend="gloo", env=env, timeout=150)
+        res = run_ranks(_wait_for_a_computing_peer, 2, 150, 0.0015, backend="gloo", env=env, timeout=150)
     cpu, wall, _ = res[0]
     assert all(r[2] for r in res), res
-    assert cpu < 0.35 * wall, res
+    assert cpu < 0.25 * wall, res

@@ -1,12 +1,12 @@
 """When a wait may poll before it blocks in the kernel: decided at run time, per wait.
 
 Polling for a peer beats blocking only while the poller takes no core that another task
-needs. On an idle machine a peer's arrival is then seen within a microsecond, where a
-futex or ``poll`` wake-up costs 50-250 us on this VM. On a busy one (DataLoader workers, a
-second job, more ranks than cores, the peer's own threads) the spinning rank holds the
-core that the peer, or the work the peer waits for, needs to arrive: measured here with one
-busy process beside two ranks, 1-16 MiB all_reduces fell to 0.25-0.40x gloo under a fixed
-spin, where blocking kept them above gloo (docs/performance.md, "Waits under load").
+needs. On an idle machine a peer's arrival is then seen at once, where a futex or ``poll``
+wake-up costs far more than a small op. On a busy one (DataLoader workers, a second job,
+more ranks than cores, the peer's own threads) the spinning rank holds the core that the
+peer, or the work the peer waits for, needs to arrive: a spin fixed at init made large
+all_reduces slower than gloo's beside one busy process (figures: docs/performance.md,
+"Waits under load").
 
 So every spinning wait (shared-memory barriers, TCP steps) asks one ``SpinPolicy`` per wait
 site, which combines three signs, none of them a setting:
@@ -17,8 +17,8 @@ site, which combines three signs, none of them a setting:
   polls the first ``GRACE`` seconds without asking (a peer in step arrives within it, and
   the fast path then makes no system call at all); after that the count is read every
   ``RECHECK`` seconds, and a crowded read ends the spin. A site told "crowded" blocks at once
-  for the next ``MEMORY`` seconds. (Asking for two crowded reads in a row, so that a passing
-  kernel thread would not count, was slower under load and no faster idle: measured.)
+  for the next ``MEMORY`` seconds. (Two crowded reads in a row, so that a passing kernel
+  thread would not count, were tried and not kept: docs/performance.md.)
 - **the peers lately** (``AdaptiveSpin``): a spin left unanswered (the peer is late, or
   computing) halves the next; a wait that never blocked restores the whole budget; every
   ``PROBE``-th wait tries the whole budget again;
@@ -38,8 +38,8 @@ import threading
 _local = threading.local()
 
 # A wait polls this long before it first asks whether the machine is crowded: ranks in step
-# answer within it, and asking (2 us) and yielding (1 us) at every wait cost idle small
-# ops a quarter of their latency (docs/performance.md, "Waits under load").
+# answer within it, and asking and yielding at every wait made idle small ops measurably
+# slower (docs/performance.md, "Waits under load").
 GRACE = 20e-6
 # While a wait polls past the grace, how often it reads the runnable count again.
 RECHECK = 50e-6

@@ -110,7 +110,11 @@ class ShmArena:
         self.rounds = 0
         self._unsynced_round = False
         self.ops = 0
-        self.sync(time.monotonic() + timeout, "shm init")  # everyone's pid is visible after this
+        try:
+            self.sync(time.monotonic() + timeout, "shm init")  # everyone's pid is visible after this
+        except BaseException:
+            self._tasks.close()   # a raw fd: no collector would close it for a failed init
+            raise
         self.pids = [int(self._ctrl[r * LINE // 4 + 2]) for r in range(size)]
 
     # -- data ----------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Partial gradient synchronisation for ``DistributedDataParallel(sync="solo"|"majority")``.
 
-eager-SGD (docs/papers.md section 2) on top of ``pycoll.partial.PartialAllReduce``: each
+eager-SGD (Li et al., "Taming Unbalanced Training Workloads in Deep Learning with
+Partial Collective Operations", PPoPP 2020) on top of ``pycoll.partial.PartialAllReduce``: each
 synchronised backward deposits this rank's gradients and applies the result of the round
 paired with it, ``sum of contributions / number of contributions``. A rank that was slow
 gets its gradient into a later round (at most ``max_staleness`` rounds later) instead of

@@ -1,4 +1,4 @@
-"""The data path's copies and reductions (pycoll/kernels.py, Reduction.reduce/combine): equal
+"""The data path's copies and reductions (pycoll/core/kernels.py, Reduction.reduce/combine): equal
 to torch's own ops for every dtype and op, below and above the size where they leave torch;
 and the spin rule of shared-memory barriers."""
 
@@ -37,7 +37,7 @@ def _data(n, dtype, seed):
 def test_copy_equals_torch_copy(dtype, n):
     src = _data(n, dtype, 1)
     dst = torch.nn.Parameter(torch.zeros(n, dtype=dtype), requires_grad=dtype.is_floating_point)
-    with torch.no_grad():    # as on the data path (pycoll/torch_backend.py turns grad off)
+    with torch.no_grad():    # as on the data path (reductions run on tensors that need no grad)
         kernels.copy(dst, src)
     assert torch.equal(dst.detach().view(torch.uint8), src.view(torch.uint8))
 

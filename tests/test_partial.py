@@ -1,7 +1,7 @@
 """Partial all-reduce (eager-SGD): solo and majority semantics, the staleness bound,
 conservation, round_info, both transports, and ddp's sync modes.
 
-The bookkeeping (``pycoll.partial_rounds``) is pure and tested on plain numbers first; the
+The bookkeeping (``pycoll.partial.rounds``) is pure and tested on plain numbers first; the
 rest runs real ranks (tests/harness.py) over PYCOLL_TRANSPORT=tcp and shm.
 """
 

@@ -1,4 +1,4 @@
-"""pycoll.slow_wait: the one-shot hook a collective's waiting thread runs when a peer is late.
+"""pycoll.transport.waits: the one-shot hook a collective's waiting thread runs when a peer is late.
 
 ``pycoll.partial`` sends its activations from it; here it is checked on its own: the pure
 bookkeeping, then real ranks over TCP and shared memory.

@@ -36,7 +36,7 @@ DTYPES = [BOOL, *INTS, *FLOATS, *COMPLEX]
 OPS = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM"]
 PREMUL_FACTOR = 1.5
 BIG = 70_001          # crosses the all_reduce / all_gather / broadcast size thresholds
-# at BIG, reductions leave torch for numpy (or slices): pycoll/kernels.py
+# at BIG, reductions leave torch for numpy (or slices): pycoll/core/kernels.py
 BIG_OPS = ("SUM", "MAX", "BXOR", "AVG", "PREMUL_SUM")
 MAX_REPORT = 40       # mismatches listed per rank
 # "auto" takes shared memory when all ranks share a host (as here); "tcp" forces sockets

@@ -31,10 +31,7 @@ from pathlib import Path
 
 CHOICES = """
 import json, os, sys
-try:
-    from pycoll.core.tuner import Tuner
-except ImportError:   # a tree from before the layered packages
-    from pycoll.tuning import Tuner
+from pycoll.core.tuner import Tuner
 w, sizes, tcp = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3] == "tcp"
 cores = len(os.sched_getaffinity(0))
 try:   # as the group would: crowded when all its ranks run TCP rounds on fewer cores

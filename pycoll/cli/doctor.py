@@ -187,7 +187,7 @@ def gather() -> list[dict]:
                 None) or ("?" if importlib.util.find_spec("cupy") else None)
     nccl = False
     if cupy:
-        from pycoll.cuda.checks import nccl_importable
+        from pycoll.cuda.facts import nccl_importable
         nccl = nccl_importable()
     add("cupy", OK if cupy else NO, (f"cupy {cupy}; cupy.cuda.nccl {'importable' if nccl else 'NOT importable'}"
                                      if cupy else "not installed (pip install 'pycoll[cuda]')"),

@@ -1,6 +1,6 @@
 """``python -m pycoll trace DIR``: merge the ranks' PYCOLL_TRACE files into one Chrome trace.
 
-Reads ``DIR/rank*.jsonl`` (see ``pycoll/trace.py``), moves every rank's events onto rank 0's
+Reads ``DIR/rank*.jsonl`` (see ``pycoll/observe/trace.py``), moves every rank's events onto rank 0's
 clock with the offset measured when the group was created, and writes a Chrome / Perfetto
 trace (JSON object format): one process per rank, one thread per process group, every
 collective, step and shared-memory phase a complete ("X") event with its details in

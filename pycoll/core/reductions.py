@@ -100,10 +100,10 @@ class Reduction:
     factor: float | None = None  # PREMUL_SUM factor applied to local input
     divisor: int = 1             # AVG: divide the result by the world size
     ufunc: Callable | None = None  # the same op as a numpy ufunc (small messages), if numpy has the dtype
-    numpy_loops: bool = False      # large tensors reduce in numpy (pycoll/kernels.py says why)
+    numpy_loops: bool = False      # large tensors reduce in numpy (pycoll/core/kernels.py says why)
 
     def reduce(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """``dst = dst op src`` on flat tensors, off torch's intra-op pool (pycoll/kernels.py)."""
+        """``dst = dst op src`` on flat tensors, off torch's intra-op pool (pycoll/core/kernels.py)."""
         self.combine(dst, src, dst)
 
     def combine(self, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:

@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from pycoll.cuda.checks import nccl_importable
+    from pycoll.cuda.facts import nccl_importable
 
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to benchmark", file=sys.stderr)

@@ -6,7 +6,7 @@ and three pairs of interprocess CUDA events (``ready``, ``mid``, ``done``, one p
 exports them with torch's own IPC calls (``untyped_storage()._share_cuda_()``,
 ``Event.ipc_handle()``), publishes the handles through the Store and opens every peer's
 (``UntypedStorage._new_shared_cuda``, ``Event.from_ipc_handle``). The buffers are reused by every
-later collective. A host-side ``ShmArena`` (transport/shm.py: futex barriers, pid checks,
+later collective. A host-side ``ShmArena`` (transport/shm/arena.py: futex barriers, pid checks,
 signature check) orders the ranks' hosts; the events order their streams. No cupy needed.
 
 A round of a collective, on the caller's current stream, as the shared-memory algorithms do it:
@@ -26,7 +26,7 @@ reduced slices out (each rank reads about 2n bytes instead of (P-1)n). Reduction
 order, so every rank gets bitwise the same result.
 
 The host blocks in the barriers only (never on the device), so a call returns once its peers
-have reached the same collective. Point-to-point calls take host staging (frontend.py).
+have reached the same collective. Point-to-point calls take host staging (c10d/backend.py).
 """
 
 from __future__ import annotations

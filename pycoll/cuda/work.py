@@ -121,7 +121,7 @@ class CudaWork(dist.Work):
         return self._source
 
     def __repr__(self) -> str:
-        return f"<pycoll.CudaWork {self.op} {'done' if self.is_completed() else 'pending'}>"
+        return f"<pycoll.cuda.work.CudaWork {self.op} {'done' if self.is_completed() else 'pending'}>"
 
 
 class StagingWork(dist.Work):
@@ -186,4 +186,4 @@ class StagingWork(dist.Work):
         return self.source_rank()
 
     def __repr__(self) -> str:
-        return f"<pycoll.StagingWork {self.op} {'done' if self._finished else 'pending'}>"
+        return f"<pycoll.cuda.work.StagingWork {self.op} {'done' if self._finished else 'pending'}>"

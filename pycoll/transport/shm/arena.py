@@ -129,7 +129,7 @@ class ShmArena:
         return view
 
     def next_parity(self) -> int:
-        """Rounds alternate between the two slot halves (see shm_collectives for why)."""
+        """Rounds alternate between the two slot halves (core/shm_algorithms.py says why two are enough)."""
         # Two parity steps without a barrier between them would let this rank overwrite a
         # slot half that a slower peer may still be reading: a bug, never a choice.
         assert not self._unsynced_round, "shm round started without a barrier after the previous one"

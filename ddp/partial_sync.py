@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 from torch.nn import Module
 
+from pycoll import torch_compat
 from pycoll.partial import PartialAllReduce, RoundInfo, RoundResult
 
 SYNC_MODES = ("full", "solo", "majority")
@@ -83,7 +84,7 @@ class PartialSync:
             if r is not None:
                 self._flat[r[0]:r[1]].copy_(bucket.buffer())
             else:   # one fused copy per bucket
-                torch._foreach_copy_(self._slices(bucket), [g.reshape(-1) for g in bucket.gradients()])
+                torch_compat.foreach_copy(self._slices(bucket), [g.reshape(-1) for g in bucket.gradients()])
         fut: torch.futures.Future = torch.futures.Future()
         self._pending.append((bucket, fut))
         if bucket.is_last():
@@ -112,7 +113,7 @@ class PartialSync:
                 else:
                     totals = [total[self.offsets[i]:self.offsets[i + 1]]
                               for i in (self.index[id(p)] for p in bucket.parameters())]
-                    torch._foreach_copy_([g.reshape(-1) for g in bucket.gradients()], totals)
+                    torch_compat.foreach_copy([g.reshape(-1) for g in bucket.gradients()], totals)
                     buf.div_(count)
                 fut.set_result(buf)
         self.allreduce.recycle(result)

@@ -62,3 +62,18 @@ def root_cause(exc: BaseException) -> str:
     the error itself (what a rank passes on when it aborts)."""
     cause = getattr(exc, "root_cause", None)
     return cause if cause else f"{type(exc).__name__}: {exc}"
+
+
+def drop_locals(exc: BaseException) -> None:
+    """Clear the local variables of the finished frames in ``exc``'s traceback (and in those
+    of its causes). An error that a group keeps (its latched error, a failed Work's
+    ``exception()``) would otherwise keep every local of the collective that raised it alive:
+    views of the shared-memory arena among them, which keep its mapping from being released
+    when the group is destroyed. The traceback's text (files, lines, names) stays."""
+    import traceback
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__

@@ -18,6 +18,8 @@ import socket
 import threading
 import time
 
+from pycoll import settings
+
 log = logging.getLogger("pycoll")
 
 
@@ -60,7 +62,7 @@ def group_secret(store, rank: int) -> bytes:
 def auth_key() -> bytes | None:
     """The user's key: ``PYCOLL_AUTH_KEY`` (its UTF-8 bytes) or the bytes of the file named
     by ``PYCOLL_AUTH_KEY_FILE``, which the launcher gives every rank; None if neither."""
-    text, path = os.environ.get("PYCOLL_AUTH_KEY"), os.environ.get("PYCOLL_AUTH_KEY_FILE")
+    text, path = settings.raw("PYCOLL_AUTH_KEY"), settings.raw("PYCOLL_AUTH_KEY_FILE")
     if text and path:
         raise ValueError("set PYCOLL_AUTH_KEY or PYCOLL_AUTH_KEY_FILE, not both")
     if text:
@@ -105,10 +107,10 @@ def local_address() -> str:
     PYCOLL_SOCKET_ADDR wins, then the address of PYCOLL_SOCKET_IFNAME, then the local
     address of the route to MASTER_ADDR (no packet is sent), then loopback.
     """
-    addr = os.environ.get("PYCOLL_SOCKET_ADDR")
+    addr = settings.get("PYCOLL_SOCKET_ADDR")
     if addr:
         return addr
-    ifname = os.environ.get("PYCOLL_SOCKET_IFNAME")
+    ifname = settings.get("PYCOLL_SOCKET_IFNAME")
     if ifname:
         return interface_address(ifname)
     master = os.environ.get("MASTER_ADDR")
@@ -132,7 +134,7 @@ def host_identity(global_rank: int) -> str:
     PYCOLL_HOST_ID overrides it, to emulate several hosts on one: either one name, or a
     comma-separated list of names indexed by global rank (``"a,a,b,b"``: 2 hosts x 2 ranks).
     """
-    override = os.environ.get("PYCOLL_HOST_ID")
+    override = settings.get("PYCOLL_HOST_ID")
     if override:
         names = override.split(",")
         return names[global_rank % len(names)] if len(names) > 1 else override

@@ -60,6 +60,45 @@ def registered_backends() -> dict:
     return _need(dist.Backend, "_plugins", "the backend plugin table")
 
 
+def cpu_backend(pg):
+    """The backend object serving CPU tensors in the c10d ProcessGroup ``pg`` (None where
+    torch has none for it): a pycoll group reached through a wrapping ProcessGroup."""
+    try:
+        return pg._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def reset_group_count() -> None:
+    """Set torch's count of created groups back to 0: a failed ``init_process_group`` leaves
+    it advanced, and a process that inits again (a reused test rank) would then key its
+    default group under another Store prefix than its fresh peers do."""
+    _need(c10d, "_world", "the c10d world state").group_count = 0
+
+
+def foreach_copy(dst: list, src: list) -> None:
+    """``d.copy_(s)`` for each pair, fused into one call where torch offers it."""
+    fused = getattr(torch, "_foreach_copy_", None)
+    if fused is not None:
+        fused(dst, src)
+        return
+    for d, s in zip(dst, src):
+        d.copy_(s)
+
+
+# -- CUDA storage shared between processes (torch.multiprocessing's own calls) ---------------
+def share_cuda_storage(storage) -> list:
+    """The handle another process opens ``storage`` (a CUDA UntypedStorage) with: its first
+    element is the device index, as this process numbers it."""
+    return list(_need(storage, "_share_cuda_", "CUDA storage IPC export")())
+
+
+def open_cuda_storage(handle: list):
+    """A CUDA UntypedStorage over another process's memory from its ``share_cuda_storage``
+    handle (the device index rewritten to this process's numbering)."""
+    return _need(torch.UntypedStorage, "_new_shared_cuda", "CUDA storage IPC import")(*handle)
+
+
 # -- torch.compile -----------------------------------------------------------------------
 def skip_dynamo(*classes) -> None:
     """Make Dynamo run these classes' methods, and everything they call, without tracing.

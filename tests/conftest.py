@@ -2,10 +2,10 @@
 
 import pytest
 
-from tests import harness
+from pycoll.testing import ranks
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _rank_pool():
     yield
-    harness._shutdown()
+    ranks.shutdown()

@@ -34,7 +34,7 @@ from pycoll.algorithms.schedule import (
 from pycoll.core.executor import Executor
 from pycoll.core.reductions import COMPLEX, FLOATING, INTEGER, make_reduction
 from pycoll.errors import PeerClosedError
-from pycoll.transport.memory import MemoryHub
+from pycoll.testing.memory import MemoryHub
 from pycoll.wire import Signature
 
 pytestmark = pytest.mark.timeout(120)

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll.errors import CommError
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 from tests.test_vs_gloo import (
     BOOL,
     DTYPES,

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pycoll import callbacks
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]

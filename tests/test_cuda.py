@@ -30,7 +30,7 @@ from pycoll.cuda.paths import (
     requested_path,
 )
 from pycoll.transport.shm.arena import ShmArena
-from tests.harness import rank_store, run_ranks
+from pycoll.testing.ranks import rank_store, run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
 import ddp
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 from tests.test_ddp_support import (
     batches,
     build,

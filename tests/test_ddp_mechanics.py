@@ -12,7 +12,7 @@ from torch import nn
 
 import ddp
 from ddp.buckets import assign_buckets, host_cpus, overlap_pays
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 from tests.test_ddp import backend  # noqa: F401  (the gloo/pycoll fixture)
 from tests.test_ddp_support import Unused, batches, loss_fn, mlp
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll.observe import faults
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 from tests.test_faults_kit import BASE, explain, fd_count, launch, pycoll_threads
 
 TCP = {"PYCOLL_TRANSPORT": "tcp"}

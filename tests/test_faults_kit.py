@@ -1,6 +1,6 @@
 """Launcher for fault tests: fresh rank processes that may die, with every process reaped.
 
-``tests/harness.py``'s pool treats a dead rank as a failed test (and rebuilds the pool);
+``pycoll/testing/ranks.py``'s pool treats a dead rank as a failed test (and rebuilds the pool);
 fault tests kill ranks on purpose. ``launch`` forks fresh ranks from the same forkserver
 (torch preloaded, so a rank starts in ~0.1 s), gives each a pycoll group over a fresh
 store, records when each process died (``died_at``, from its sentinel) and what each

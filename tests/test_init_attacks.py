@@ -23,7 +23,7 @@ import torch.distributed as dist
 from pycoll.errors import AuthenticationError
 from pycoll.transport.tcp.handshake import Handshake
 from pycoll.transport.tcp.mesh import HANDSHAKE_TIMEOUT, build_mesh
-from tests.harness import rank_store, run_ranks
+from pycoll.testing.ranks import rank_store, run_ranks
 
 pytestmark = pytest.mark.timeout(90)
 

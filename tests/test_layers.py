@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Top to bottom. A module may import its own layer's modules and any lower layer's.
 LAYERS = [
     ["pycoll.cli", "pycoll.__main__"],
+    ["pycoll.testing"],               # the test kit: may use anything, nothing uses it
     ["ddp"],
     ["pycoll"],                       # the package root: the public names
     ["pycoll.partial"],
@@ -24,6 +25,7 @@ LAYERS = [
     ["pycoll.core"],
     ["pycoll.algorithms", "pycoll.transport"],
     ["pycoll.wire", "pycoll.rendezvous", "pycoll.callbacks", "pycoll.torch_compat", "pycoll.errors"],
+    ["pycoll.settings"],              # read by every layer; reads only the environment
 ]
 MAX_LINES = 400
 
@@ -133,3 +135,32 @@ def test_no_module_over_the_size_limit():
 def test_the_layer_table_covers_every_package():
     for mod in MODULES:
         _layer(mod)
+
+
+def test_the_readme_lists_the_layers_in_this_order():
+    """The README's folder list ("How it is built") names the layers top to bottom as here."""
+    text = (ROOT / "README.md").read_text().split("## How it is built", 1)[1]
+    block = text.split("```", 2)[1]
+    named = [line.split()[0].rstrip("/").removesuffix(".py").removesuffix("/__init__").replace("/", ".")
+             for line in block.splitlines() if line[:1].strip()]
+    layers = [_layer(m) for m in named]
+    assert layers == sorted(layers), list(zip(named, layers))
+    assert {n for n in named} >= {name for names in LAYERS for name in names} - {"pycoll.__main__"}
+
+
+
+def test_private_torch_is_reached_only_through_torch_compat():
+    """torch's private names (``dist._x``, ``c10d._x``, ``torch._x``, ``pg._get_backend``,
+    storage IPC) appear in code only in ``pycoll/torch_compat.py``: one place to mend when
+    torch moves them."""
+    import re
+    private = re.compile(r"\b(?:dist|c10d|distributed_c10d|torch)\._[a-zA-Z]|\._get_backend\b|"
+                         r"\._share_cuda_\b|\._new_shared_cuda\b")
+    bad = []
+    for mod, path in MODULES.items():
+        if mod == "pycoll.torch_compat":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and private.search(ast.unparse(node)):
+                bad.append(f"{mod}:{node.lineno}: {ast.unparse(node)}")
+    assert not bad, "\n".join(sorted(set(bad)))

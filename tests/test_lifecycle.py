@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import rank_store, run_ranks
+from pycoll.testing.ranks import rank_store, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

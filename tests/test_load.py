@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll.cli.bench.load import Busy
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 
 def _late_receive(rank, world, delays_ms):

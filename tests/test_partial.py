@@ -2,7 +2,7 @@
 conservation, round_info, both transports, and ddp's sync modes.
 
 The bookkeeping (``pycoll.partial.rounds``) is pure and tested on plain numbers first; the
-rest runs real ranks (tests/harness.py) over PYCOLL_TRANSPORT=tcp and shm.
+rest runs real ranks (pycoll/testing/ranks.py) over PYCOLL_TRANSPORT=tcp and shm.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll.partial.rounds import NF, Contribution, Ledger, majority_initiator
-from tests.harness import RankFailure, run_ranks
+from pycoll.testing.ranks import RankFailure, run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 

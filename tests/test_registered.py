@@ -1,6 +1,6 @@
 """Registered buffers (``pycoll.empty_shared``) and the in-place all_reduce on them.
 
-Real rank processes on the reused pool (tests/harness.py), real shared memory: results
+Real rank processes on the reused pool (pycoll/testing/ranks.py), real shared memory: results
 against a reference reduction in rank order, for every dtype and op the shared-memory
 all_reduce takes, sizes around the registered path's threshold, world sizes 2-4; a
 registration that differs between ranks is a MismatchError on every rank and corrupts
@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(300)
 

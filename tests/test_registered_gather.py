@@ -1,6 +1,6 @@
 """Registered all_gather_into_tensor and reduce_scatter_tensor, and FSDP2 on registered buffers.
 
-Real rank processes on the reused pool (tests/harness.py), real shared memory. The in-place
+Real rank processes on the reused pool (pycoll/testing/ranks.py), real shared memory. The in-place
 forms (``core.shm_registered``) against a reference in rank order for every dtype and op
 and world sizes 2-4, with the path taken counted; a registration that differs between ranks
 is a MismatchError on every rank; and FSDP2 with
@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 from tests.test_registered import DTYPE_OPS, _inputs, _redop, _reference
 
 pytestmark = pytest.mark.timeout(300)

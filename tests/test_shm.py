@@ -1,11 +1,12 @@
 """Shared-memory path: segment lifetime, blocking waits, dead peers, mismatches, many rounds, memory.
 
-Ranks run on the reused pool (tests/harness.py); every group here is on one host, so the
+Ranks run on the reused pool (pycoll/testing/ranks.py); every group here is on one host, so the
 default transport is shared memory. Each test says which path it forces, if any.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import resource
@@ -18,27 +19,29 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import rank_store, run_ranks
+from pycoll.testing.ranks import pycoll_memory, rank_store, run_ranks
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _my_segments(pid: int) -> list[str]:
-    return [n for n in os.listdir("/dev/shm") if n.startswith(f"pycoll-{pid}-")]
 
 
 def _segments_after_init(rank, world):
     pg = dist.distributed_c10d._get_default_group()
     t = torch.ones(10)
     dist.all_reduce(t)
-    return pg.communicator.mode, os.getpid(), _my_segments(os.getpid())
+    return pg.communicator.mode, pycoll_memory()
 
 
-def test_segment_is_unlinked_once_mapped():
+def test_the_segment_has_no_name_and_one_descriptor_per_mapping():
+    """Every rank maps the arena, a memfd: no name in /dev/shm for a crash to leave. Each rank
+    holds one descriptor of it, the one Python's mmap keeps beside its mapping (the creator
+    closed the descriptor it made once all had mapped it), so the memory lives exactly as
+    long as the mappings. (After the group, the harness checks that none is left.)"""
     res = run_ranks(_segments_after_init, 3, backend="pycoll")
     assert [r[0] for r in res] == ["shm"] * 3
-    assert all(r[2] == [] for r in res), res
-    assert not any(_my_segments(r[1]) for r in res)
+    for rank, (_, held) in enumerate(res):
+        assert any(h.startswith("/memfd:pycoll-arena") for h in held), (rank, held)
+        assert len([h for h in held if h.startswith("fd ")]) == 1, (rank, held)
+        assert not [h for h in held if "/dev/shm" in h], (rank, held)
 
 
 def _barrier_cpu(rank, world):
@@ -117,7 +120,7 @@ def test_kill9_inside_a_collective(transport, world, victim):
         delay, text = r
         assert delay < 2.0, f"rank {rank} raised {delay:.2f} s after the kill: {text}"
         assert f"rank {victim}" in text, f"rank {rank}'s error does not name rank {victim}: {text}"
-    assert not [n for n in os.listdir("/dev/shm") if n.startswith("pycoll-")]
+    # (each survivor's group, destroyed, left no shared memory: the harness checks it)
 
 
 def _mismatch(rank, world):
@@ -327,21 +330,24 @@ def _killed_between_create_and_map(rank, world):
         dist.init_process_group("pycoll", rank=rank, world_size=world, store=rank_store(),
                                 timeout=timedelta(seconds=10))
     except Exception as exc:  # noqa: BLE001 - the survivor's error is the result
-        return f"{type(exc).__name__}: {exc}"
+        gc.collect()
+        return f"{type(exc).__name__}: {exc}", pycoll_memory()
     finally:
         shm._map_segment = original
     dist.destroy_process_group()
-    return "no error"
+    return "no error", []
 
 
 def test_kill9_between_creating_and_mapping_the_segment_leaves_nothing():
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("pycoll-")}
+    """The survivor's failed init leaves it nothing mapped or open (and the dead creator's
+    memory had no name: it went with the process)."""
     for _ in range(3):
         res = run_ranks(_killed_between_create_and_map, 2, timeout=60, may_die=(0,),
                         env={"PYCOLL_TRANSPORT": "shm"})
         assert res[0] == "died"
-        assert re.search(r"rank 0\b.*died", res[1]), res[1]
-    assert {n for n in os.listdir("/dev/shm") if n.startswith("pycoll-")} <= before
+        error, held = res[1]
+        assert re.search(r"rank 0\b.*died", error), error
+        assert held == [], held
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")

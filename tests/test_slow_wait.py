@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll.transport import waits as slow_wait
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 DTYPES = [torch.float32, torch.float64, torch.int32, torch.int64, torch.bfloat16, torch.float16, torch.int8]
 OPS = ["all_reduce", "broadcast", "all_gather", "reduce_scatter", "reduce", "all_to_all", "barrier"]

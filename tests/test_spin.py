@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll.transport import spin
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll.observe.stragglers import attribute, format_report
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 DELAY = 0.1

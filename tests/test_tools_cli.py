@@ -90,7 +90,18 @@ def test_doctor_table_and_json():
             "paths"} <= set(checks)
     assert checks["loopback tcp"]["status"] == "ok"
     assert all(r["status"] in ("ok", "no", "info") and r["detail"] for r in rows)
-    assert not list(Path("/dev/shm").glob("pycoll-doctor-*"))  # the probe segment is gone
+
+
+def test_doctors_shared_memory_probe_leaves_nothing():
+    """The probe shares a real memfd with a child: afterwards neither is left (the memfd has
+    no /dev/shm name to look for; its mappings and descriptors are what could leak)."""
+    from pycoll.cli.doctor import OK, check_shm
+    from pycoll.testing.ranks import pycoll_memory
+
+    before = pycoll_memory()
+    status, detail, _ = check_shm()
+    assert status == OK, detail
+    assert pycoll_memory() == before
 
 
 @pytest.mark.timeout(60)
@@ -172,6 +183,20 @@ def test_bench_ddp_prints_its_tables_and_the_per_round_ratios(tmp_path):
         assert f"{name} " in ratios, ratios
     saved = json.loads((tmp_path / "b.json").read_text())
     assert saved["opts"]["sweep_models"] == ["convnet"] and saved["speed"]["per_round"]
+
+
+@pytest.mark.timeout(150)
+def test_bench_ddp_loader_mode_under_load(tmp_path):
+    """DataLoader workers feeding each rank, one busy process beside: the floor configuration
+    and the pycoll-vs-gloo verdict are printed, and the busy process is gone afterwards."""
+    out = _tool("bench_ddp.py", "--models", "convnet", "--rounds", "2", "--steps", "2", "--warmup", "1",
+                "--sweep", "", "--no-memory", "--loader-workers", "1", "--batch", "4", "--sample-work", "1",
+                "--load", "1", "--json", str(tmp_path / "b.json"))
+    assert "input: 1 DataLoader workers per rank, batch 4" in out and "load: 1 busy process" in out, out
+    assert "synchronisation floor" in out and "floor/pycoll" in out, out
+    assert "convnet, torch DDP: pycoll/gloo per round" in out and "(above gloo in " in out, out
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["opts"]["loader"] == 1 and saved["opts"]["load_text"].startswith("1 busy process")
 
 
 @pytest.mark.timeout(150)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pycoll
-from tests.harness import rank_store, run_ranks
+from pycoll.testing.ranks import rank_store, run_ranks
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll.cli import trace_view
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.timeout(60)
 

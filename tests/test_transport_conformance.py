@@ -1,4 +1,4 @@
-"""Every transport passes the one conformance kit (tests/transport_kit.py).
+"""Every transport passes the one conformance kit (pycoll/testing/conformance.py).
 
 The kit's checks run on the in-memory transport (buffered and lockstep), on TCP over
 loopback (real sockets, the mesh built by ``build_mesh`` through a real TCPStore) and on the
@@ -11,21 +11,21 @@ shared memory and TCP, checked against the whole-world reference of test_algorit
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 
 from pycoll.algorithms import ALGORITHMS
 from pycoll.errors import CommTimeoutError
-from pycoll.transport.memory import DeadlockError, MemoryHub
+from pycoll.testing.memory import DeadlockError, MemoryHub
 from tests import test_algorithms as algos
-from tests import transport_kit as kit
+from pycoll.testing import conformance as kit
+from pycoll.testing import worlds
 
 pytestmark = pytest.mark.timeout(120)
 
-MAKERS = {"memory": kit.memory_world, "lockstep": kit.lockstep_world, "tcp": kit.tcp_world,
-          "tcp-spinning": kit.tcp_spinning_world, "shm": kit.shm_world}
+MAKERS = {"memory": worlds.memory_world, "lockstep": worlds.lockstep_world, "tcp": worlds.tcp_world,
+          "tcp-spinning": worlds.tcp_spinning_world, "shm": worlds.shm_world}
 CHECKS = {
     "ordering_one_way": kit.check_ordering_one_way,
     "ordering_all_pairs": kit.check_ordering_all_pairs,
@@ -46,20 +46,18 @@ def test_conformance(transport, check, request):
     if (transport, check) in KNOWN:
         request.applymarker(pytest.mark.xfail(reason=KNOWN[(transport, check)], strict=True,
                                               raises=(AssertionError, KeyError)))
-    with kit.no_leaks():
+    with worlds.no_leaks():
         CHECKS[check](MAKERS[transport])
 
 
 def test_ordering_across_a_one_kib_mailbox_and_five_ranks():
     """The smallest shared-memory mailbox: a header and its payload wrap nearly every time."""
-    kit.check_ordering_all_pairs(lambda world: kit.shm_world(world, mailbox=1024), world=5)
+    kit.check_ordering_all_pairs(lambda world: worlds.shm_world(world, mailbox=1024), world=5)
 
 
 @pytest.mark.parametrize("transport", ["tcp", "shm"])
 def test_peer_killed_with_sigkill(transport):
-    before = {n for n in os.listdir("/dev/shm") if n.startswith("pycoll")}
-    kit.check_peer_death(transport)
-    assert {n for n in os.listdir("/dev/shm") if n.startswith("pycoll")} <= before
+    kit.check_peer_death(transport)   # (and each survivor's closed transport maps nothing)
 
 
 # -- lockstep: deadlocks reported, not waited out ------------------------------------------
@@ -67,30 +65,30 @@ def test_peer_killed_with_sigkill(transport):
 def _send_then_receive(t):
     """Send in one exchange, receive in the next: works only where sends are buffered."""
     peer = 1 - t.rank
-    t.exchange([kit.out_frame(peer, 0, b"hello")], [], time.monotonic() + 10, "send first")
-    f, dest = kit.in_frame(peer, 0, 5)
+    t.exchange([worlds.out_frame(peer, 0, b"hello")], [], time.monotonic() + 10, "send first")
+    f, dest = worlds.in_frame(peer, 0, 5)
     t.exchange([], [f], time.monotonic() + 10, "then receive")
     return bytes(dest)
 
 
 def test_lockstep_reports_a_schedule_that_needs_buffering():
-    with kit.lockstep_world(2) as w:
+    with worlds.lockstep_world(2) as w:
         t0 = time.monotonic()
-        res = kit.run_threads([lambda t=t: _send_then_receive(t) for t in w.transports], timeout=30)
+        res = worlds.run_threads([lambda t=t: _send_then_receive(t) for t in w.transports], timeout=30)
         took = time.monotonic() - t0
     assert all(isinstance(r, DeadlockError) for r in res), res
     assert took < 2.0, f"the deadlock took {took:.2f} s to report (deadline 10 s)"
     text = str(res[0])
     assert "rank 0" in text and "rank 1" in text and "lockstep" in text, text
     assert isinstance(res[0], CommTimeoutError) and res[0].peer == 1 and res[1].peer == 0
-    with kit.memory_world(2) as w:   # buffered, the same schedule completes
-        assert kit.ok(kit.run_threads([lambda t=t: _send_then_receive(t) for t in w.transports])) == [b"hello"] * 2
+    with worlds.memory_world(2) as w:   # buffered, the same schedule completes
+        assert worlds.ok(worlds.run_threads([lambda t=t: _send_then_receive(t) for t in w.transports])) == [b"hello"] * 2
 
 
 def test_a_cycle_of_receives_is_reported_in_both_modes():
     for lockstep in (False, True):
-        with kit.memory_world(3, lockstep=lockstep) as w:
-            res = kit.run_threads([lambda r=r: kit.wait_for(w.transports[r], (r + 1) % 3, "cycle")
+        with worlds.memory_world(3, lockstep=lockstep) as w:
+            res = worlds.run_threads([lambda r=r: kit.wait_for(w.transports[r], (r + 1) % 3, "cycle")
                                    for r in range(3)], timeout=30)
         for r, (exc, took) in enumerate(res):
             assert isinstance(exc, DeadlockError) and exc.peer == (r + 1) % 3, exc
@@ -138,7 +136,7 @@ ALL = [(c, a) for c, names in ALGORITHMS.items() for a in names if c != "barrier
 @pytest.mark.parametrize("collective,algo", ALL)
 def test_every_schedule_runs_in_lockstep(executor_on, collective, algo):
     """No algorithm relies on the medium buffering its sends."""
-    executor_on(kit.lockstep_world)
+    executor_on(worlds.lockstep_world)
     for world in (2, 3, 4, 5, 8):
         for n in (0, 13):
             roots = [0, world - 1] if collective in algos.ROOTED else [0]

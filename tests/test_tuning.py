@@ -24,7 +24,7 @@ from pycoll.core.tuner import (
     parse_cost,
     parse_overrides,
 )
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 ITEM = 4  # float32
 BLOCK = {"all_gather", "gather", "scatter"}  # n is one rank's block; nbytes the whole output

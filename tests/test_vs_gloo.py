@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_ranks
+from pycoll.testing.ranks import run_ranks
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

@@ -3,6 +3,7 @@
     python tools/bench_ddp.py [--models mlp,convnet] [--world-size 2] [--rounds 5] [--steps 5]
         [--warmup 2] [--sweep 0.25,1,5,25,100] [--sweep-models mlp] [--staged] [--no-memory]
         [--json out/bench_ddp.json] [--plot PATH]
+        [--loader-workers N [--batch B] [--sample-work K]] [--load N] [--threads 1|default]
 
 Speed: ``world_size`` rank processes are started once (forkserver, torch preloaded) around a
 TCPStore that the parent binds to port 0. Each rank opens a gloo default group and, when
@@ -16,6 +17,13 @@ its own copy at once, no communication: the fair denominator on 2 vCPUs, see DES
 installed (extra ``plot``; ``--plot ""`` for none). ``--staged`` adds ours on pycoll with
 ordinary buckets (``shared_buckets=False``). Every configuration is also printed against
 ``independent`` round by round (median and range of the per-round ratios).
+Under load: ``--loader-workers N`` feeds the convnet from N DataLoader worker processes per
+rank that make and augment each sample on the CPU (``tools/ddp_data.py``), as a vision job
+does, so the ranks share the cores with their own input pipeline; ``--load N`` adds N busy
+processes beside everything; ``--threads default`` leaves torch its default thread count (as
+``mp.spawn`` without ``OMP_NUM_THREADS`` does) instead of one thread per rank. Loader mode
+adds a ``floor`` configuration per backend: torch DDP whose hook moves one element per bucket,
+so the ranks synchronise as DDP makes them and move no gradient (no transfer can beat it).
 Memory: each configuration runs once more in fresh rank processes, reporting peak RSS per
 rank (``resource.getrusage`` ru_maxrss), since a process's peak cannot be reset for the next.
 """
@@ -27,7 +35,6 @@ import json
 import multiprocessing as mp
 import os
 import resource
-import statistics
 import sys
 import time
 from datetime import timedelta
@@ -41,7 +48,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-IMPLS = ("torch", "ours")
+from tools.bench_ddp_report import IMPLS, plot_sweep, print_speed, summarise  # noqa: E402
+
 
 
 # ---- models ---------------------------------------------------------------------------
@@ -78,8 +86,9 @@ def pycoll_available() -> tuple[bool, str]:
     return True, ""
 
 
-def _init(rank: int, world: int, port: int, timeout_s: float) -> None:
-    torch.set_num_threads(1)  # world_size ranks share 2 vCPUs
+def _init(rank: int, world: int, port: int, timeout_s: float, threads: str = "1") -> None:
+    if threads != "default":
+        torch.set_num_threads(int(threads))  # world_size ranks share 2 vCPUs
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
                           timeout=timedelta(seconds=timeout_s))
     dist.init_process_group("gloo", rank=rank, world_size=world, store=store,
@@ -117,12 +126,28 @@ def _wrap(impl: str, model: nn.Module, group, kw: dict) -> nn.Module:
         if impl == "ours-staged":   # buckets in ordinary memory: the staged shared-memory path
             kw = {**kw, "shared_buckets": False}
         return DistributedDataParallel(model, process_group=group, **kw)
+    if impl == "floor":
+        return _sync_only(model, group)
     return model  # independent / single: no communication
 
 
+def _sync_only(model: nn.Module, group) -> nn.Module:
+    """torch DDP whose comm hook all-reduces one element per bucket and leaves the gradients
+    alone: the ranks wait for each other as DDP makes them, and move no gradient. Its speed
+    is the floor of synchronous DDP on that backend: what no faster transfer can beat."""
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+
+    def hook(_, bucket):
+        fut = dist.all_reduce(torch.zeros(1), group=group, async_op=True).get_future()
+        return fut.then(lambda _: bucket.buffer())
+    ddp.register_comm_hook(None, hook)
+    return ddp
+
+
 def _block(model_name: str, impl: str, group, kw: dict, steps: int, warmup: int,
-           rank: int, probe=None) -> float | None:
-    """Seconds for ``steps`` training steps on this rank (None: this rank sat it out)."""
+           rank: int, probe=None, data=None) -> float | None:
+    """Seconds for ``steps`` training steps on this rank (None: this rank sat it out);
+    ``data``: an iterator of (inputs, labels) batches, else one fixed batch every step."""
     build, inputs = MODELS[model_name]
     torch.manual_seed(0)
     alone = impl == "single" and rank != 0
@@ -133,6 +158,9 @@ def _block(model_name: str, impl: str, group, kw: dict, steps: int, warmup: int,
         x, y = inputs(), torch.randint(0, 10, (32,))
 
         def step() -> None:
+            nonlocal x, y
+            if data is not None:
+                x, y = next(data)
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
@@ -152,13 +180,19 @@ def _block(model_name: str, impl: str, group, kw: dict, steps: int, warmup: int,
 
 
 def speed_rank(rank: int, world: int, port: int, opts: dict) -> dict:
-    _init(rank, world, port, opts["timeout"])
+    _init(rank, world, port, opts["timeout"], opts.get("threads", "1"))
     groups, note = _groups(opts["pycoll"], opts["timeout"])
+    data = None
+    if opts.get("loader") is not None:   # started after the groups, as a training script does
+        from tools.ddp_data import batches
+        data = batches(rank, opts["loader"], opts["batch"], opts["work"])
     times: dict[str, list] = {}
     configs = [(m, impl, be, {}) for m in opts["models"]
                for impl in ("independent", "single")
                for be in [None]]
     configs += [(m, impl, be, {}) for m in opts["models"] for be in groups for impl in IMPLS]
+    if opts.get("loader") is not None:   # where the machine is shared, the floor is worth knowing
+        configs += [(m, "floor", be, {}) for m in opts["models"] for be in groups]
     if opts.get("staged") and "pycoll" in groups:   # ours with ordinary buckets: before/after in one run
         configs += [(m, "ours-staged", "pycoll", {}) for m in opts["models"]]
     configs += [(m, "ours", be, {"bucket_cap_mb": cap}) for m in opts["sweep_models"]
@@ -168,7 +202,8 @@ def speed_rank(rank: int, world: int, port: int, opts: dict) -> dict:
         for m, impl, be, kw in configs[shift:] + configs[:shift]:
             key = json.dumps([m, impl, be, kw.get("bucket_cap_mb")])
             times.setdefault(key, []).append(_block(m, impl, groups.get(be), kw, opts["steps"],
-                                                    opts["warmup"], rank))
+                                                    opts["warmup"], rank, data=data))
+    del data   # ends the loader's worker processes
     dist.destroy_process_group()
     return {"times": times, "pycoll": "pycoll" in groups, "note": note}
 
@@ -221,8 +256,9 @@ def run_ranks(fn_name: str, world: int, opts: dict, timeout_s: float, fresh: boo
     store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     queue = ctx.Queue()
+    # A rank with DataLoader workers must be allowed children: not a daemon (killed below).
     procs = [ctx.Process(target=_rank_main, args=(fn_name, r, world, store.port, opts, queue),
-                         daemon=True) for r in range(world)]
+                         daemon=opts.get("loader") is None) for r in range(world)]
     for p in procs:
         p.start()
     results: list = [None] * world
@@ -238,84 +274,6 @@ def run_ranks(fn_name: str, world: int, opts: dict, timeout_s: float, fresh: boo
             if p.is_alive():
                 p.kill()
     return results
-
-
-# ---- report ---------------------------------------------------------------------------
-def _round_rates(per_rank: list[list], steps: int) -> list[float]:
-    """Steps/s of each round, each round timed by its slowest rank."""
-    return [steps / max(t for t in ts if t is not None) for ts in zip(*per_rank)]
-
-
-def summarise(results: list[dict], opts: dict) -> dict:
-    per_round = {key: _round_rates([r["times"][key] for r in results], opts["steps"])
-                 for key in results[0]["times"]}
-    rates = {key: statistics.median(v) if v else None for key, v in per_round.items()}
-    notes = [r["note"] for r in results if r["note"]]
-    return {"rates": rates, "per_round": per_round, "pycoll": results[0]["pycoll"],
-            "note": notes[0] if notes else ""}
-
-
-def _rate(rates: dict, m: str, impl: str, be, cap=None) -> float | None:
-    return rates.get(json.dumps([m, impl, be, cap]))
-
-
-def _fmt(x: float | None, unit: str = "") -> str:
-    return "n/a" if x is None else f"{x:.2f}{unit}"
-
-
-def print_speed(summary: dict, opts: dict, note: str) -> None:
-    rates = summary["rates"]
-    print(f"\nsteps/s, world size {opts['world']}, median of {opts['rounds']} rounds x "
-          f"{opts['steps']} steps (slowest rank); pycoll: {'yes' if summary['pycoll'] else 'n/a ' + note}")
-    head = ["model", "params", "single", "indep.", "torch/gloo", "ours/gloo", "torch/pycoll",
-            "ours/pycoll", "ours/torch gloo", "ours-pycoll/torch-gloo", "eff.(ours gloo)"]
-    print(" | ".join(head))
-    for m in opts["models"]:
-        g = {(i, b): _rate(rates, m, i, b) for i in IMPLS for b in ("gloo", "pycoll")}
-        indep = _rate(rates, m, "independent", None)
-        ratio = (lambda a, b: None if a is None or b is None else a / b)
-        row = [m, f"{nparams(m) / 1e6:.1f}M", _fmt(_rate(rates, m, "single", None)), _fmt(indep),
-               _fmt(g["torch", "gloo"]), _fmt(g["ours", "gloo"]), _fmt(g["torch", "pycoll"]),
-               _fmt(g["ours", "pycoll"]), _fmt(ratio(g["ours", "gloo"], g["torch", "gloo"])),
-               _fmt(ratio(g["ours", "pycoll"], g["torch", "gloo"])),
-               _fmt(ratio(g["ours", "gloo"], indep))]
-        print(" | ".join(row))
-    if opts.get("staged"):
-        print("\nours on pycoll: registered buckets (default) against ordinary buckets (staged path)")
-        print("model | ours/pycoll | ours-staged/pycoll | registered/staged | ours-pycoll/indep. | staged/indep.")
-        for m in opts["models"]:
-            reg, st = _rate(rates, m, "ours", "pycoll"), _rate(rates, m, "ours-staged", "pycoll")
-            indep = _rate(rates, m, "independent", None)
-            ratio = (lambda a, b: None if a is None or b is None else a / b)
-            print(" | ".join([m, _fmt(reg), _fmt(st), _fmt(ratio(reg, st)), _fmt(ratio(reg, indep)),
-                              _fmt(ratio(st, indep))]))
-    for m in opts["sweep_models"] if opts["sweep"] else []:
-        print(f"\nbucket_cap_mb sweep, ours on the {m}, steps/s")
-        for be in ("gloo", "pycoll"):
-            print(f"{be:7s}", "  ".join(f"{cap:g}MB: {_fmt(_rate(rates, m, 'ours', be, cap))}"
-                                         for cap in opts["sweep"]))
-    print_round_ratios(summary, opts)
-
-
-def print_round_ratios(summary: dict, opts: dict) -> None:
-    """Each configuration against ``independent`` round by round (the rounds run every
-    configuration seconds apart, so a ratio within a round is steadier than the ratio of
-    medians on a machine whose speed drifts): the median and range of those ratios."""
-    per_round = summary["per_round"]
-    print("\nagainst independent, per round: median [min-max]")
-    for m in opts["models"]:
-        base = per_round.get(json.dumps([m, "independent", None, None]))
-        if not base:
-            continue
-        cells = []
-        for key, rates in per_round.items():
-            km, impl, be, cap = json.loads(key)
-            if km != m or impl in ("independent", "single") or not rates:
-                continue
-            ratios = [r / b for r, b in zip(rates, base)]
-            name = f"{impl}/{be}" + ("" if cap is None else f"@{cap:g}MB")
-            cells.append(f"{name} {statistics.median(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]")
-        print(f"{m}: " + "; ".join(cells))
 
 
 MMAP_FIXED = "glibc.malloc.mmap_threshold=1048576"
@@ -376,34 +334,6 @@ def _measure_memory(opts: dict, tunables: str) -> list[dict]:
     return rows + pyrows
 
 
-def plot_sweep(summary: dict, opts: dict, path: str) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"(no plot: matplotlib is not installed; pip install '.[plot]' to get {path})")
-        return
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for be in ("gloo", "pycoll"):
-        ys = [_rate(summary["rates"], "mlp", "ours", be, cap) for cap in opts["sweep"]]
-        if any(y is not None for y in ys):
-            ax.plot(opts["sweep"], ys, marker="o", label=f"ddp on {be}")
-    refs = [("torch DDP on gloo (25 MB)", _rate(summary["rates"], "mlp", "torch", "gloo"), "--"),
-            ("independent ranks (no communication)", _rate(summary["rates"], "mlp", "independent", None), ":")]
-    for label, y, style in refs:
-        if y is not None:
-            ax.axhline(y, linestyle=style, color="grey", label=label)
-    ax.set_xscale("log")
-    ax.set_xlabel("bucket_cap_mb")
-    ax.set_ylabel("steps/s (25M-parameter MLP)")
-    ax.set_title(f"Bucket size vs throughput, world size {opts['world']}")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"plot: {path}")
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default="mlp,convnet")
@@ -420,6 +350,13 @@ def main(argv: list[str] | None = None) -> int:
                         "measure pycoll's memory both ways")
     p.add_argument("--malloc-default", action="store_true",
                    help="memory runs without the fixed glibc mmap threshold")
+    p.add_argument("--loader-workers", type=int, default=None,
+                   help="feed the convnet from N DataLoader workers per rank doing CPU work per sample")
+    p.add_argument("--batch", type=int, default=32, help="batch size in loader mode")
+    p.add_argument("--sample-work", type=int, default=4,
+                   help="augmentation passes per sample in loader mode (its CPU cost)")
+    p.add_argument("--load", type=int, default=0, help="busy processes beside the ranks")
+    p.add_argument("--threads", default="1", help="torch threads per rank, or 'default'")
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", default=str(REPO / "out" / "bench_ddp.json"))
     p.add_argument("--plot", default=str(REPO / "docs" / "ddp_bucket_sweep.png"))
@@ -429,10 +366,21 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup, "pycoll": ok,
             "sweep": [float(c) for c in a.sweep.split(",") if c], "timeout": a.timeout,
             "sweep_models": [m for m in a.sweep_models.split(",") if m],
-            "staged": a.staged and ok}
+            "staged": a.staged and ok, "loader": a.loader_workers, "batch": a.batch,
+            "work": a.sample_work, "threads": a.threads}
+    if a.loader_workers is not None and opts["models"] != ["convnet"]:
+        p.error("--loader-workers feeds images: use it with --models convnet")
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, world size {a.world_size}, "
-          f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
-    results = run_ranks("speed_rank", a.world_size, opts, a.timeout * 4)
+          f"threads per rank {a.threads}, GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
+    if a.loader_workers is not None:
+        print(f"input: {a.loader_workers} DataLoader workers per rank, batch {a.batch}, "
+              f"{a.sample_work} augmentation passes per sample")
+    from pycoll.cli.bench.load import Busy
+    with Busy(a.load) as load:
+        results = run_ranks("speed_rank", a.world_size, opts, a.timeout * 4)
+    print(f"load: {load.describe()}")
+    opts["load_text"] = load.describe()
+    opts["params"] = {m: nparams(m) for m in opts["models"]}
     summary = summarise(results, opts)
     print_speed(summary, opts, note or summary["note"])
     memory = [] if a.no_memory else measure_memory(opts, a.malloc_default)

@@ -25,10 +25,7 @@ def _backend(group):
     pg = group if group is not None else torch_compat.default_group()
     if getattr(pg, "communicator", None) is not None:
         return pg
-    try:
-        backend = pg._get_backend(torch.device("cpu"))
-    except (AttributeError, RuntimeError):
-        backend = None
+    backend = torch_compat.cpu_backend(pg)
     if getattr(backend, "communicator", None) is None:
         raise ValueError(f"pycoll.empty_shared: {pg!r} is not a pycoll process group")
     return backend

@@ -16,7 +16,6 @@ from __future__ import annotations
 import atexit
 import functools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -25,19 +24,19 @@ from typing import Callable, Sequence
 
 import torch
 
-from pycoll import algorithms, callbacks, torch_compat
+from pycoll import algorithms, callbacks, settings, torch_compat
 from pycoll.core import setup
 from pycoll.core.observer import Observer, Observers
 from pycoll.core.tuner import Tuner
 from pycoll.core.work import Work, finished
-from pycoll.errors import CommTimeoutError, PycollError, root_cause
+from pycoll.errors import CommTimeoutError, PycollError, drop_locals, root_cause
 from pycoll.transport import spin
 from pycoll.transport.p2p import P2PEngine
 
 log = logging.getLogger("pycoll")
 
 Task = Callable[[int, float], None]  # fn(seq, deadline)
-ARRIVALS_WINDOW = max(1, int(os.environ.get("PYCOLL_STATS_WINDOW", 1024)))
+ARRIVALS_WINDOW = max(1, settings.get("PYCOLL_STATS_WINDOW"))
 _grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch_compat.set_grad_enabled
 
 
@@ -188,6 +187,7 @@ class Communicator:
             # mid-collective: peers may be waiting for frames that will never come. The
             # group is broken and the transports are aborted so that they fail fast too.
             self.error = exc
+            drop_locals(exc)   # kept by the group and its Work: it must not keep arena views
             self.transport.abort(str(exc))
             if self.arena is not None:
                 self.arena.abort(root_cause(exc))

@@ -14,13 +14,14 @@ import time
 
 import torch
 
+from pycoll import settings
 from pycoll.algorithms.schedule import Copy, Recv, Reduce, Schedule, Send
 from pycoll.core.kernels import copy
 from pycoll.core.reductions import Reduction
 from pycoll.transport.base import InFrame, OutFrame, Transport
 from pycoll.wire import DATA, Header, Signature
 
-DEFAULT_SEGMENT_BYTES = 4 << 20
+DEFAULT_SEGMENT_BYTES = settings.SETTINGS["PYCOLL_SEGMENT_BYTES"].default
 
 
 def byte_view(t: torch.Tensor) -> memoryview:

@@ -10,13 +10,12 @@ traffic always takes its own sockets.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from pycoll import rendezvous
-from pycoll.core.executor import DEFAULT_SEGMENT_BYTES, Executor
+from pycoll import rendezvous, settings
+from pycoll.core.executor import Executor
 from pycoll.transport import spin
 from pycoll.transport.base import Transport
 from pycoll.transport.shm.arena import ShmArena
@@ -54,7 +53,7 @@ def crowded_cores(mode: str, local_ranks: int) -> int | None:
 def tcp_spin() -> float:
     """The longest a TCP step polls before it blocks: ``PYCOLL_TCP_SPIN_US`` (1000). Whether
     and how long a step does poll is decided per step (``transport.spin``)."""
-    return max(0.0, float(os.environ.get("PYCOLL_TCP_SPIN_US", 1000)) / 1e6)
+    return max(0.0, settings.get("PYCOLL_TCP_SPIN_US") / 1e6)
 
 
 @dataclass
@@ -80,13 +79,13 @@ def wire(store, rank: int, world: int, timeout: float, observe_transport=None) -
     wrap = observe_transport or (lambda t: t)
     global_rank = dist.get_rank() if dist.is_initialized() else rank
     hosts = rendezvous.exchange_all(store, "pycoll/host", rank, world, rendezvous.host_identity(global_rank))
-    mode = choose_mode(os.environ.get("PYCOLL_TRANSPORT", "auto"), hosts)
+    mode = choose_mode(settings.get("PYCOLL_TRANSPORT"), hosts)
     coll_socks, p2p_socks = build_mesh(store, rank, world, timeout, channels=2)
     tcp = TcpTransport(rank, world, coll_socks)
     local = [r for r in range(world) if hosts[r] == hosts[rank]]
     tcp.spin = tcp_spin()
     transport = wrap(tcp)
-    segment = int(os.environ.get("PYCOLL_SEGMENT_BYTES", DEFAULT_SEGMENT_BYTES))
+    segment = settings.get("PYCOLL_SEGMENT_BYTES")
     w = Wiring(mode, hosts, tcp, transport, Executor(transport, segment), p2p_socks)
     w.crowded_cores = crowded_cores(mode, len(local))
     if mode == "tcp":

@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from bisect import bisect_left
 from dataclasses import replace
 
-from pycoll import algorithms
+from pycoll import algorithms, settings
 from pycoll.algorithms.cost import KEYS, Params
 
 log = logging.getLogger("pycoll")
@@ -104,12 +103,12 @@ class Tuner:
     def __init__(self, world: int, overrides: dict[str, str] | None = None,
                  params: Params | None = None, cores: int | None = None) -> None:
         self.world, self.cores = world, cores
-        self.overrides = dict(parse_overrides(os.environ.get(ENV_ALGO)))
+        self.overrides = dict(parse_overrides(settings.get(ENV_ALGO)))
         self.overrides.update(overrides or {})
-        self.params = params if params is not None else parse_cost(os.environ.get(ENV_COST))
+        self.params = params if params is not None else parse_cost(settings.get(ENV_COST))
         self.source = ("given" if params is not None else
-                       ENV_COST if os.environ.get(ENV_COST, "").strip() else "defaults")
-        self.debug = bool(os.environ.get(ENV_DEBUG, "").strip())
+                       ENV_COST if settings.get(ENV_COST) else "defaults")
+        self.debug = bool(settings.get(ENV_DEBUG))
         # (collective, world) -> (upper byte bounds, algorithms): algorithms[i] for
         # nbytes <= bounds[i], the last one beyond.
         self._tables: dict[tuple[str, int], tuple[list[int], list[str]]] = {}

@@ -31,19 +31,18 @@ have reached the same collective. Point-to-point calls take host staging (c10d/b
 
 from __future__ import annotations
 
-import os
 import time
 
 import msgpack
 import numpy as np
 import torch
 
+from pycoll import settings, torch_compat
 from pycoll.algorithms.schedule import chunks, displacements
 from pycoll.core.shm_rounds import counts_hash, describe_words, signature
 from pycoll.transport.shm.arena import ShmArena
 
 ONE_SHOT_BYTES = 256 << 10
-DEFAULT_SLOT_BYTES = 32 << 20
 KEY = "pycoll/cuda/ipc"
 KINDS = ("ready", "mid", "done")
 
@@ -53,7 +52,7 @@ class IpcPath:
 
     def __init__(self, store, rank: int, world: int, device: torch.device, timeout: float, facts) -> None:
         self.rank, self.world, self.device, self.timeout = rank, world, device, timeout
-        slot = int(os.environ.get("PYCOLL_CUDA_IPC_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+        slot = settings.get("PYCOLL_CUDA_IPC_SLOT_BYTES")
         self.slot = max(1 << 16, slot // 4096 * 4096)
         self.arena = ShmArena(store, f"{KEY}/arena", rank, world, list(range(world)), timeout, slot_bytes=4096)
         self.peers = [q for q in range(world) if q != rank]
@@ -75,7 +74,7 @@ class IpcPath:
             for evs in self.events.values():
                 for e in evs:
                     e.record(stream)  # created, and complete: the first rounds wait on them
-            mine = {"share": list(self.buf.untyped_storage()._share_cuda_()),
+            mine = {"share": torch_compat.share_cuda_storage(self.buf.untyped_storage()),
                     "events": {k: [e.ipc_handle() for e in evs] for k, evs in self.events.items()}}
             store.set(f"{KEY}/{rank}", msgpack.packb(mine, use_bin_type=True))
             self.bufs[rank] = self.buf
@@ -84,7 +83,7 @@ class IpcPath:
                 local = facts[rank].visible.index(facts[q].gpu)  # the peer's GPU, as this process numbers it
                 share = list(info["share"])
                 share[0] = local
-                storage = torch.UntypedStorage._new_shared_cuda(*share)
+                storage = torch_compat.open_cuda_storage(share)
                 peer_dev = torch.device("cuda", local)
                 self.bufs[q] = torch.empty(0, dtype=torch.uint8, device=peer_dev).set_(storage)[:2 * self.slot]
                 self.peer_events[q] = {k: [torch.cuda.Event.from_ipc_handle(peer_dev, h) for h in hs]

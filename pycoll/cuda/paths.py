@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pycoll import settings
+
 PATHS = ("auto", "nccl", "ipc", "staging")
 ENV = "PYCOLL_CUDA_PATH"
 EXTRA = "pip install 'pycoll[cuda]'"
@@ -43,7 +45,7 @@ def cuda_hint(what: str = "", path: str = "nccl") -> str:
 
 def requested_path(env: dict) -> str:
     """``PYCOLL_CUDA_PATH`` from an environment mapping, validated and lower-cased."""
-    value = (env.get(ENV) or "auto").strip().lower()
+    value = settings.get(ENV, env).lower()
     if value not in PATHS:
         raise ValueError(f"{ENV}={value!r}: choose one of {', '.join(PATHS)}")
     return value

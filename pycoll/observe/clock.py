@@ -6,13 +6,13 @@ rank files) and ``pycoll.stats`` (arrivals on one clock).
 
 from __future__ import annotations
 
-import os
 import time
 import weakref
 import zlib
 
 import torch
 
+from pycoll import settings
 from pycoll.core import tags
 from pycoll.core.executor import byte_view
 
@@ -52,7 +52,7 @@ def sync_clock(comm, tag: int = tags.CLOCK, rounds: int = CLOCK_ROUNDS) -> tuple
     if world == 1:
         return 0.0, 0.0, "single rank"
     boot = _boot_id()
-    measure = os.environ.get("PYCOLL_CLOCK_SYNC", "") == "measure"  # ping-pong even on one kernel
+    measure = settings.get("PYCOLL_CLOCK_SYNC") == "measure"  # ping-pong even on one kernel
     deadline = time.monotonic() + comm.timeout
 
     def xfer(kind, peer, values=None):

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+from pycoll import settings
 from pycoll.core.observer import Observer
 from pycoll.core.shm_rounds import words_nbytes
 from pycoll.transport.base import InFrame, OutFrame, Transport
@@ -99,7 +100,7 @@ def parse(text: str) -> list[Fault]:
 
 def injector(rank: int, env: str | None = None) -> "Injector | None":
     """This rank's faults from ``PYCOLL_FAULT`` (or ``env``), or None when it has none."""
-    text = os.environ.get(ENV, "") if env is None else env
+    text = settings.get(ENV) if env is None else env
     mine = [f for f in parse(text) if f.rank in (None, rank)] if text else []
     return Injector(rank, mine) if mine else None
 

@@ -15,13 +15,12 @@ logs the same description before the group is torn down.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 import time
 import weakref
 
-from pycoll import wire
+from pycoll import settings, wire
 from pycoll.core.observer import Observer
 from pycoll.core.shm_rounds import describe_words
 
@@ -48,7 +47,7 @@ class HangDump(Observer):
 def install() -> bool:
     """Install the SIGUSR1 handler once per process, from the main thread only."""
     global _installed
-    if _installed or os.environ.get("PYCOLL_HANGDUMP", "1") == "0":
+    if _installed or settings.get("PYCOLL_HANGDUMP") == "0":
         return _installed
     if threading.current_thread() is not threading.main_thread():
         return False

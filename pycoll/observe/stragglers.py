@@ -34,10 +34,9 @@ def _comm_of(group):
     pg = group if group is not None else torch_compat.default_group()
     comm = getattr(pg, "communicator", None)
     if comm is None:
-        try:
-            comm = pg._get_backend(torch.device("cpu")).communicator
-        except (AttributeError, RuntimeError):
-            raise ValueError(f"pycoll.stats: {pg!r} is not a pycoll process group") from None
+        comm = getattr(torch_compat.cpu_backend(pg), "communicator", None)
+        if comm is None:
+            raise ValueError(f"pycoll.stats: {pg!r} is not a pycoll process group")
     return comm
 
 

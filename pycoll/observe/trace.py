@@ -24,6 +24,7 @@ import logging
 import os
 import threading
 
+from pycoll import settings
 from pycoll.algorithms.schedule import Copy, Recv, RecvReduce, Reduce, Send
 from pycoll.core.observer import Observer
 from pycoll.observe.clock import offset_of
@@ -85,7 +86,7 @@ def _flush_at_exit() -> None:
 
 # -- the observer ----------------------------------------------------------------------------
 def debug_level() -> int | None:
-    text = os.environ.get(ENV_DEBUG, "").strip().upper()
+    text = settings.get(ENV_DEBUG).upper()
     if not text:
         return None
     level = {"INFO": logging.INFO, "TRACE": TRACE, "DEBUG": TRACE, "WARN": logging.WARNING,
@@ -103,7 +104,7 @@ def debug_level() -> int | None:
 
 def wanted() -> bool:
     """Whether PYCOLL_TRACE or PYCOLL_DEBUG asks for a Tracer."""
-    return bool(os.environ.get(ENV_TRACE, "").strip()) or debug_level() is not None
+    return bool(settings.get(ENV_TRACE)) or debug_level() is not None
 
 
 class Tracer(Observer):
@@ -111,7 +112,7 @@ class Tracer(Observer):
 
     def __init__(self) -> None:
         self.level = debug_level()
-        self.directory = os.environ.get(ENV_TRACE, "").strip()
+        self.directory = settings.get(ENV_TRACE)
         self.events: list | None = [] if self.directory else None
         self.comm = None
         self.record = None

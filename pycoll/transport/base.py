@@ -88,7 +88,7 @@ def check_header(expect: Header, got: Header, rank: int, peer: int) -> None:
 class Transport:
     """Interface; see module docstring. ``rank``/``world`` are ranks within the group.
 
-    The contract, which the conformance kit (tests/transport_kit.py) checks on every
+    The contract, which the conformance kit (pycoll/testing/conformance.py) checks on every
     transport:
 
     - Frames between a pair arrive in the order sent, across exchanges; the two ends need

@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 
-from pycoll import callbacks
+from pycoll import callbacks, settings
 from pycoll.errors import CommError, CommTimeoutError, PeerClosedError, ProtocolError
 from pycoll.transport.base import control_error
 from pycoll.transport.frames import control_reason, next_frame
@@ -45,7 +45,7 @@ from pycoll.wire import (
 log = logging.getLogger("pycoll")
 
 MAX_POLL_S = 60.0   # the progress thread's longest sleep: poll() takes int milliseconds
-MAX_UNEXPECTED_BYTES = int(os.environ.get("PYCOLL_MAX_UNEXPECTED_BYTES", 1 << 30))
+MAX_UNEXPECTED_BYTES = settings.get("PYCOLL_MAX_UNEXPECTED_BYTES")
 
 
 class P2PEngine:

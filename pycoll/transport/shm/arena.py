@@ -36,6 +36,7 @@ import time
 import numpy as np
 import torch
 
+from pycoll import settings
 from pycoll.errors import CommTimeoutError, MismatchError, PeerClosedError
 from pycoll.transport import spin as spinning
 from pycoll.transport import waits
@@ -45,7 +46,6 @@ LINE = 512                  # bytes of control per rank
 SLEEP = 3                   # int32 word of a rank's line: set while it may block in FUTEX_WAIT
 SIG_WORDS = 8               # int64 signature words per slot; two slots at bytes 64 and 128
 REASON_AT = 192             # a rank's abort reason (text, 319 bytes) fills the rest of its line
-DEFAULT_SLOT_BYTES = 4 << 20
 WAIT_SLICE = 0.05
 
 log = logging.getLogger("pycoll")
@@ -75,7 +75,7 @@ class ShmArena:
     def __init__(self, store, key: str, local_rank: int, size: int, ranks: list[int],
                  timeout: float, slot_bytes: int | None = None) -> None:
         self.me, self.size, self.ranks = local_rank, size, ranks  # ranks: group rank of each local rank
-        slot = slot_bytes or int(os.environ.get("PYCOLL_SHM_SLOT_BYTES", DEFAULT_SLOT_BYTES))
+        slot = slot_bytes or settings.get("PYCOLL_SHM_SLOT_BYTES")
         self.slot_bytes = max(4096, slot // 4096 * 4096)
         self.ctrl_bytes = -(-size * LINE // 4096) * 4096
         total = self.ctrl_bytes + 2 * size * self.slot_bytes
@@ -113,7 +113,10 @@ class ShmArena:
         try:
             self.sync(time.monotonic() + timeout, "shm init")  # everyone's pid is visible after this
         except BaseException:
-            self._tasks.close()   # a raw fd: no collector would close it for a failed init
+            # The error's traceback keeps this half-built arena alive: release its memory and
+            # its run-queue fd (a raw fd: no collector would close it) now.
+            self.closed = True
+            self._release()
             raise
         self.pids = [int(self._ctrl[r * LINE // 4 + 2]) for r in range(size)]
 
@@ -290,6 +293,9 @@ class ShmArena:
         # keeps the process alive, so the pid check alone would not end their wait).
         self.abort("destroyed its process group")
         self.closed = True
+        self._release()
+
+    def _release(self) -> None:
         self._tasks.close()
         # The numpy/torch/ctypes views export the mmap's buffer; drop them before closing.
         self._words.release()
@@ -299,7 +305,7 @@ class ShmArena:
         try:
             self.mm.close()
         except BufferError:
-            pass  # a caller still holds a slot view; the mapping goes with the process
+            pass  # a caller still holds a slot view: the mapping goes with the last of them
 
 
 def _map_segment(store, key: str, local_rank: int, size: int, total: int, timeout: float):

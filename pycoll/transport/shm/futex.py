@@ -1,7 +1,7 @@
 """Futex wait and wake on a word of shared memory, and whether a local peer's process lives.
 
 The arena's barriers wait on their peers' epoch words, the shared-memory transport
-(``shm.transport``) on a doorbell word of its own; both are woken by the peer that changed
+(``pycoll.testing.mailbox_transport``) on a doorbell word of its own; both are woken by the peer that changed
 the word. ``wake`` takes a premade ``c_void_p``: a rank wakes its own epoch word on every
 sync, and making the ctypes argument there cost a third of the call.
 """

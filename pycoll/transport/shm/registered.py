@@ -57,7 +57,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import mmap
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -65,12 +64,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pycoll import settings
 from pycoll.transport.shm import segment
 
 PAGE = 4096
-DEFAULT_CHUNK_BYTES = 64 << 20
-DEFAULT_CACHE_BYTES = 1 << 30
-DEFAULT_PEER_BYTES = 8 << 20
 FAULT_AROUND = 64 << 10     # the kernel's default fault_around_bytes
 
 
@@ -110,10 +107,10 @@ class SharedHeap:
     def __init__(self, store, key: str, local_rank: int, size: int, timeout: float,
                  chunk_bytes: int | None = None) -> None:
         self.store, self.key, self.me, self.size, self.timeout = store, key, local_rank, size, timeout
-        want = chunk_bytes or int(os.environ.get("PYCOLL_SHM_HEAP_BYTES", DEFAULT_CHUNK_BYTES))
+        want = chunk_bytes or settings.get("PYCOLL_SHM_HEAP_BYTES")
         self.chunk_bytes = max(PAGE, -(-want // PAGE) * PAGE)
-        self.cache_bytes = int(os.environ.get("PYCOLL_SHM_HEAP_CACHE_BYTES", DEFAULT_CACHE_BYTES))
-        self.peer_bytes = int(os.environ.get("PYCOLL_SHM_PEER_BYTES", DEFAULT_PEER_BYTES))
+        self.cache_bytes = settings.get("PYCOLL_SHM_HEAP_CACHE_BYTES")
+        self.peer_bytes = settings.get("PYCOLL_SHM_PEER_BYTES")
         # Live blocks allocated with unmap_peers: global offset -> rounded size.
         self._unmapping: dict[int, int] = {}
         # Of those, the ones whose peers' pages stay mapped: global offset -> bytes of them.

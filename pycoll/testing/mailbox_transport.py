@@ -1,7 +1,7 @@
 """Shared-memory transport: the Transport interface over an arena of one host's ranks.
 
 With it the executor runs any schedule between the ranks of one host, as it does over TCP,
-and the same conformance kit checks it (tests/transport_kit.py). The shared-memory
+and the same conformance kit checks it (pycoll/testing/conformance.py). The shared-memory
 collectives (core/shm_algorithms) do not use it: they keep the arena's slots and barriers
 for themselves. A transport owns an arena of its own (``ShmTransport.connect``) and uses it
 for the segment (its lifetime: nothing to leak, see arena.py), the peers' pids and the init
@@ -9,7 +9,7 @@ barrier; it never calls the arena's barrier afterwards.
 
 The layout (a page per rank with its counters, state and doorbell, then a mailbox per
 destination: a ring of bytes with one writer and one reader, carrying the pair's frames as
-on the wire) is in ``shm.mailbox``.
+on the wire) is in ``pycoll.testing.mailbox``.
 
 Waits: an exchange progresses every send and receive of its step in one loop (so two ranks
 sending each other more than a mailbox at once cannot deadlock); when nothing moves, it
@@ -37,7 +37,7 @@ from pycoll.transport import waits
 from pycoll.transport.base import InFrame, OutFrame, Transport, control_error
 from pycoll.transport.shm import futex
 from pycoll.transport.shm.arena import ShmArena
-from pycoll.transport.shm.mailbox import (
+from pycoll.testing.mailbox import (
     ABORTED,
     CLOSED,
     MIN_MAILBOX,

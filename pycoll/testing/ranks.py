@@ -1,11 +1,12 @@
-"""Multi-process test harness: a reusable pool of rank processes.
+"""The rank launcher of tests and tools: a reusable pool of rank processes.
 
 Starting a Python process that imports torch costs seconds on this machine, so rank
 processes are forked once from a forkserver with torch preloaded and reused by every
 test in the session. ``run_ranks(fn, world_size, ...)`` runs ``fn(rank, world_size,
 *args)`` on the first ``world_size`` workers, each with a fresh c10d TCPStore (bound
 to port 0 by this parent process, so no fixed ports) and, if ``backend`` is given, an
-initialised default process group that is destroyed afterwards.
+initialised default process group that is destroyed afterwards; a destroyed group must
+leave no pycoll shared memory mapped or open in the rank (``pycoll_memory``), or the run fails.
 
 The first failure or a timeout kills every worker (as torch's MultiProcessTestCase
 does) and the pool is rebuilt lazily for the next test, so a hung collective can
@@ -36,6 +37,8 @@ def _worker_main(conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch.distributed as dist
 
+    from pycoll import torch_compat
+
     while True:
         try:
             msg = conn.recv()
@@ -62,14 +65,16 @@ def _worker_main(conn) -> None:
             finally:
                 if backend is not None and dist.is_initialized():
                     dist.destroy_process_group()
-                # A failed init_process_group leaves torch's group counter advanced, and the
-                # next run's default group would then live under another store prefix than
-                # a fresh worker's (a hang at the first key exchange).
-                dist.distributed_c10d._world.group_count = 0
+                # (a failed init leaves torch's group count advanced: a hang at the next init)
+                torch_compat.reset_group_count()
                 # Free the test's objects here, on the main thread: a garbage collection that
                 # a backend's own thread runs later could free a gloo group there, whose
                 # destructor then joins the thread it runs on (std::terminate, EDEADLK).
                 gc.collect()
+            left = pycoll_memory() if backend is not None else []
+            if left:   # the group is gone: so must be every piece of shared memory it mapped
+                raise AssertionError(f"rank {rank}: the destroyed group left pycoll's shared memory "
+                                     f"mapped or open: {left}")
             conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - everything goes back to the parent
             conn.send(("err", traceback.format_exc()))
@@ -80,6 +85,23 @@ def _worker_main(conn) -> None:
                 else:
                     os.environ[k] = v
             os.environ.pop(STORE_ENV, None)
+
+
+def pycoll_memory() -> list[str]:
+    """This process's mappings and descriptors of pycoll's shared memory (memfd segments,
+    named ``pycoll-*``): what a destroyed group must not leave. The memfd has no name in
+    /dev/shm to look for; the kernel shows it here as ``/memfd:pycoll-... (deleted)``."""
+    found = []
+    with open("/proc/self/maps") as f:
+        found += sorted({line.split(None, 5)[-1].strip() for line in f if "memfd:pycoll-" in line})
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue   # the descriptor listdir itself used
+        if "memfd:pycoll-" in target:
+            found.append(f"fd {fd} -> {target}")
+    return found
 
 
 class _Pool:
@@ -190,11 +212,11 @@ def run_ranks(fn, world_size: int, *args, backend: str | None = None, timeout: f
     global _POOL
     if _POOL is None:
         _POOL = _Pool()
-        atexit.register(_shutdown)
+        atexit.register(shutdown)
     return _POOL.run(fn, world_size, args, backend, timeout, env, tuple(may_die))
 
 
-def _shutdown() -> None:
+def shutdown() -> None:
     global _POOL
     if _POOL is not None:
         _POOL.shutdown()

@@ -19,7 +19,7 @@ open sits in an exchange that cannot progress, each of them raises ``DeadlockErr
 what every rank waits for. (A rank outside an exchange may yet post what the others need,
 so a wait with such a rank ends at its deadline, as on a real medium.)
 
-The verbs behave as the conformance kit (tests/transport_kit.py) asks of every transport:
+The verbs behave as the conformance kit (pycoll/testing/conformance.py) asks of every transport:
 ``abort(reason)`` fails every current and later exchange of the world with the reason and
 the aborting rank; ``sever`` is a crash as peers see it (no reason); after ``close`` this
 rank's exchanges fail, and peers waiting for its frames get ``PeerClosedError``.

@@ -14,7 +14,7 @@ payload larger than the mailbox in pieces as the reader frees room. A rank's pag
   for bumps its own byte lane of the peer's doorbell (lane = rank mod 4), then wakes it.
 
 ``Mailboxes`` moves bytes and reads and writes those words; it never blocks (the
-transport, ``shm.transport``, waits).
+transport, ``pycoll.testing.mailbox_transport``, waits).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from pycoll import torch_compat
 from pycoll.c10d.backend import ProcessGroupPycoll, create
-from pycoll.c10d.shared import (  # registered buffers
+from pycoll.shm.shared import (  # registered buffers
     can_share_memory,
     empty_shared,
     is_registered,

@@ -1,4 +1,4 @@
-"""Command line: ``python -m pycoll {demo,bench,draw,trace,doctor}``."""
+"""Command line: ``python -m pycoll {demo,bench,draw,trace,doctor,cuda-bench}``."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ COMMANDS = {
     "draw": ("pycoll.cli.draw", "draw an algorithm's schedule step by step (picture or --text)"),
     "trace": ("pycoll.cli.trace_view", "merge PYCOLL_TRACE=DIR rank files into a Chrome trace (+ --png timeline)"),
     "doctor": ("pycoll.cli.doctor", "what this machine offers and which paths pycoll will use"),
+    "cuda-bench": ("pycoll.cli.cuda_bench", "CUDA tensors: pycoll's paths (nccl, ipc, staging) vs nccl"),
 }
 
 
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print("usage: python -m pycoll COMMAND [options]\n\ncommands:")
         for name, (_, text) in COMMANDS.items():
-            print(f"  {name:8} {text}")
+            print(f"  {name:10} {text}")
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     import importlib
 

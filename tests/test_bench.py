@@ -1,5 +1,5 @@
 """Tests of the benchmark (``pycoll.cli.bench``): pure parts in process, tiny real sweeps as
-subprocesses of ``python -m pycoll bench``, and the ``tools/bench.py`` wrapper of the checkout.
+subprocesses of ``python -m pycoll bench``.
 
 Nothing here asserts on absolute times (the machine is shared); only shapes, counts and #wrong.
 """
@@ -13,10 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import tools.bench
-import tools.bench_ref
 from pycoll.cli.bench import launch as bench
-from pycoll.cli.bench import ref
 from pycoll.cli.bench.collectives import COLLECTIVES
 from pycoll.cli.bench.harness import run_sweep, split_rounds, sweep_plan
 
@@ -175,11 +172,3 @@ def test_bench_mpi_column(tmp_path):
     _check_rows(result, "mpi", names)
     _check_rows(result, "gloo", names)
 
-
-def test_tools_bench_py_is_the_same_benchmark(tmp_path):
-    """docs/performance.md records ``python tools/bench.py ...`` runs; the script still runs them."""
-    assert tools.bench.main is bench.main and tools.bench.parse_size is bench.parse_size
-    assert tools.bench_ref.measure is ref.measure
-    proc = subprocess.run([sys.executable, str(REPO / "tools" / "bench.py"), "--help"],
-                          capture_output=True, text=True, timeout=55, cwd=tmp_path)
-    assert proc.returncode == 0 and "--max-bytes" in proc.stdout, proc.stderr[-3000:]

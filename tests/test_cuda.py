@@ -29,7 +29,7 @@ from pycoll.cuda.paths import (
     explain,
     requested_path,
 )
-from pycoll.transport.shm.arena import ShmArena
+from pycoll.shm.arena import ShmArena
 from pycoll.testing.ranks import rank_store, run_ranks
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""The shared heap's reuse of freed blocks (``transport.shm.registered``: Agreement).
+"""The shared heap's reuse of freed blocks (``shm.heap``: Agreement).
 
 Real rank processes on the reused pool, real shared memory. A freed block is reused only
 when every rank has freed it and proposes it: ranks that free in different orders still

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from pycoll.errors import MismatchError, PeerClosedError, ProtocolError
 from pycoll.transport.base import InFrame
-from pycoll.transport.p2p import P2PEngine
+from pycoll.transport.tcp.p2p import P2PEngine
 from pycoll.transport.tcp.mesh import MAGIC, build_mesh
 from pycoll.transport.tcp.transport import TcpTransport
 from pycoll.wire import ABORT, DATA, MAX_CONTROL_BYTES, Header, Signature

@@ -19,10 +19,10 @@ LAYERS = [
     ["ddp"],
     ["pycoll"],                       # the package root: the public names
     ["pycoll.partial"],
-    ["pycoll.c10d"],
+    ["pycoll.c10d", "pycoll.shm.shared"],   # shm.shared: empty_shared, the torch-facing part of shm/
     ["pycoll.cuda"],
     ["pycoll.observe"],
-    ["pycoll.core"],
+    ["pycoll.core", "pycoll.shm"],   # shm/: what runs on one host (arena, barriers, its algorithms)
     ["pycoll.algorithms", "pycoll.transport"],
     ["pycoll.wire", "pycoll.rendezvous", "pycoll.callbacks", "pycoll.torch_compat", "pycoll.errors"],
     ["pycoll.settings"],              # read by every layer; reads only the environment

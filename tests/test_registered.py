@@ -27,7 +27,7 @@ MANY = 3 * 65536 + 11     # several pieces of the registered all_reduce, not div
 
 def _count_registered():
     """Count the registered all_reduce's slice reductions in this rank (the path taken)."""
-    from pycoll.core import shm_registered as R
+    from pycoll.shm import registered as R
 
     calls = []
     original = R._reduce_slice

@@ -1,7 +1,7 @@
 """Registered all_gather_into_tensor and reduce_scatter_tensor, and FSDP2 on registered buffers.
 
 Real rank processes on the reused pool (pycoll/testing/ranks.py), real shared memory. The in-place
-forms (``core.shm_registered``) against a reference in rank order for every dtype and op
+forms (``shm.registered``) against a reference in rank order for every dtype and op
 and world sizes 2-4, with the path taken counted; a registration that differs between ranks
 is a MismatchError on every rank; and FSDP2 with
 ``set_allocate_memory_from_process_group_for_comm(True)`` (its buffers from the group's
@@ -23,7 +23,7 @@ pytestmark = pytest.mark.timeout(300)
 
 def _count_in_place():
     """Count the registered collectives' in-place rounds in this rank (the path taken)."""
-    from pycoll.core import shm_registered as R
+    from pycoll.shm import registered as R
 
     calls, original = [], R._in_place
 

@@ -64,7 +64,7 @@ def test_blocked_barrier_uses_no_cpu(world):
 def _woken_late(rank, world):
     """Rank 0 blocks in a barrier; the last rank arrives later: how long after does rank 0
     leave? Wait slices are 2 s here, so only a futex wake can end rank 0's wait in time."""
-    from pycoll.transport.shm import arena as shm
+    from pycoll.shm import arena as shm
     slice_was, shm.WAIT_SLICE = shm.WAIT_SLICE, 2.0
     try:
         gaps = []
@@ -308,7 +308,7 @@ def test_peer_that_destroys_its_group_is_reported_at_once():
 def _killed_between_create_and_map(rank, world):
     """Local rank 0 is killed the moment it has published its new segment, before any other
     rank could map it: the window in which a named segment would be left behind."""
-    from pycoll.transport.shm import arena as shm
+    from pycoll.shm import arena as shm
 
     original = shm._map_segment
 
@@ -354,7 +354,7 @@ def test_kill9_between_creating_and_mapping_the_segment_leaves_nothing():
 def test_another_user_cannot_open_the_segment():
     from datetime import timedelta as td
 
-    from pycoll.transport.shm.arena import ShmArena
+    from pycoll.shm.arena import ShmArena
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=td(seconds=30))
     arenas = {}

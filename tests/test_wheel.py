@@ -183,12 +183,12 @@ def test_doctor(installed):
     assert "paths" in checks
 
 
-def test_cuda_bench_module_is_in_the_wheel(installed):
+def test_cuda_bench_command_is_in_the_wheel(installed):
     # docs/cuda.md's GPU benchmark; --help only: a full run needs a GPU and minutes.
-    out = installed.run("-m", "pycoll.cuda.bench", "--help", program=installed.python)
-    assert "--max-bytes" in out
+    out = installed.run("-m", "pycoll", "cuda-bench", "--help", program=installed.python)
+    assert "--max-bytes" in out and "python -m pycoll cuda-bench" in out
 
 
 def test_every_command_has_a_test_here():
-    tested = {"demo", "bench", "draw", "trace", "doctor"}
+    tested = {"demo", "bench", "draw", "trace", "doctor", "cuda-bench"}
     assert set(COMMANDS) == tested, "a new `python -m pycoll` command needs a test in this file"

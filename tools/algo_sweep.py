@@ -10,7 +10,7 @@ from run to run. Here the ranks (on the TCP path, as the tuner's schedules run t
 algorithms with ``pycoll.set_algorithm`` inside one process group: per size, ``--rounds``
 rounds of ``--iters`` timed ops of each algorithm in turn, A B C A B C ..., so that noise
 lands on all of them alike; ``--repeat N`` runs the whole sweep N times (fresh processes)
-and keeps each cell's geometric mean of the N medians. An op's time is the mean over ranks (as tools/bench.py); the table
+and keeps each cell's geometric mean of the N medians. An op's time is the mean over ranks (as python -m pycoll bench); the table
 gives medians, the measured fastest algorithm, and the one the tuner (this checkout's
 ``DEFAULT_PARAMS``, or ``PYCOLL_COST``) chooses, with its time over the fastest one's.
 ``--fit`` also fits alpha, beta and delta to the times of every world size swept at once
@@ -41,7 +41,7 @@ import torch.multiprocessing as mp
 
 from pycoll import algorithms
 from pycoll.algorithms.cost import Params
-from tools.bench import parse_size
+from pycoll.cli.bench.launch import parse_size
 
 
 def _tensors(collective: str, nbytes: int, world: int):

@@ -14,7 +14,7 @@ as under torchrun). For each size, every rank holds a registered tensor and an o
 one; the two are all-reduced in alternating chunks of ``--chunk`` back-to-back ops until
 each has ``--iters``, so a slow phase of the machine hits both alike. Each op's time is the
 slowest rank's; the table gives medians, busbw (algbw x 2(P-1)/P, as nccl-tests) and the
-one-host bound that ``tools/bench.py`` prints: each rank must read and write n bytes, one
+one-host bound that ``python -m pycoll bench`` prints: each rank must read and write n bytes, one
 copy, at the rate each of P one-thread processes copies while all copy at once (measured
 before and after the ranks; the better is kept). Each variant is checked once (#wrong).
 """

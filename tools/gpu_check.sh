@@ -8,7 +8,7 @@
 #    already installed; if cupy cannot load libnccl, the nvidia-nccl wheel's lib folder is added
 #    to LD_LIBRARY_PATH;
 # 3. tests/test_cuda.py (CPU parts + every GPU test) under a 240 s limit;
-# 4. the GPU bench (python -m pycoll.cuda.bench): pycoll-nccl and torch-nccl (world 1 on one GPU),
+# 4. the GPU bench (python -m pycoll cuda-bench): pycoll-nccl and torch-nccl (world 1 on one GPU),
 #    pycoll-ipc and pycoll-staging (2 and 4 processes sharing the GPU), all_reduce 8 B..256 MiB,
 #    under a 200 s limit; prints a table.
 # Exit status: 0 only if the tests passed and the bench had no wrong element and no failed row.
@@ -58,9 +58,9 @@ timeout -k 10 240 $PY -m pytest -q -rs tests/test_cuda.py -p no:cacheprovider 2>
 tests_rc=${PIPESTATUS[0]}
 say "tests exit status $tests_rc"
 
-say "bench (python -m pycoll.cuda.bench)"
+say "bench (python -m pycoll cuda-bench)"
 rm -f "$OUTDIR/bench.jsonl"
-timeout -k 10 200 $PY -m pycoll.cuda.bench --timeout 45 --json "$OUTDIR/bench.jsonl" 2>&1 | tee "$OUTDIR/bench.txt"
+timeout -k 10 200 $PY -m pycoll cuda-bench --timeout 45 --json "$OUTDIR/bench.jsonl" 2>&1 | tee "$OUTDIR/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 say "bench exit status $bench_rc"
 

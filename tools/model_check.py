@@ -17,7 +17,7 @@ are fitted to the collectives themselves instead (``fit_collectives``: least squ
 relative error over every algorithm, size and world measured, with an intercept per world
 for the op's fixed cost; gamma stays the local figure). tools/algo_sweep.py makes the same
 fit from interleaved measurements, which is how the tuner's ``DEFAULT_PARAMS`` were found;
-the PYCOLL_COST line printed sets them for a group. Then tools/bench.py runs every
+the PYCOLL_COST line printed sets them for a group. Then python -m pycoll bench runs every
 algorithm with PYCOLL_ALGO forcing it (run i forces the i-th algorithm of every collective).
 Measured = the bench's median over iterations of the mean over ranks; on a shared,
 oversubscribed machine read ratios, not digits. Prints one table per collective; --json
@@ -43,8 +43,8 @@ if __package__ in (None, ""):  # run as a script: make the `tools` package impor
 from pycoll import algorithms  # noqa: E402
 from pycoll.algorithms.cost import ZERO as TERMS_ZERO  # noqa: E402
 from pycoll.algorithms.cost import Params, Terms  # noqa: E402
-from tools import bench_ref  # noqa: E402
-from tools.bench import parse_size  # noqa: E402
+from pycoll.cli.bench import ref as bench_ref  # noqa: E402
+from pycoll.cli.bench.launch import parse_size  # noqa: E402
 
 # The models are the package's (pycoll/algorithms/<module>.py: terms, copied, cost), the ones
 # the tuner prices; here only the collectives whose schedules the bench forces one by one.
@@ -86,12 +86,12 @@ def measure_local(nbytes: int = 16 << 20, reps: int = 15) -> tuple[float, float]
 
 
 def run_bench(world: int, algos: dict, args, extra: list[str]) -> dict:
-    """One tools/bench.py run on the TCP path with PYCOLL_ALGO forcing ``algos``: its JSON."""
+    """One python -m pycoll bench run on the TCP path with PYCOLL_ALGO forcing ``algos``: its JSON."""
     env = dict(os.environ, PYCOLL_TRANSPORT="tcp",
                PYCOLL_ALGO=",".join(f"{c}={a}" for c, a in algos.items()))
     with tempfile.TemporaryDirectory(prefix="pycoll-mc-") as tmp:
         out = os.path.join(tmp, "bench.json")
-        cmd = [sys.executable, str(REPO / "tools" / "bench.py"), "--backends", "pycoll",
+        cmd = [sys.executable, "-m", "pycoll", "bench", "--backends", "pycoll",
                "--world-size", str(world), "-c", ",".join(list(algos) + extra),
                "--min-bytes", str(args.min_bytes), "--max-bytes", str(args.max_bytes),
                "-f", str(args.step_factor), "--iters", str(args.iters), "--warmup",
@@ -221,7 +221,7 @@ def summary(result: dict) -> list[str]:
             f"delta = {p['delta'] * 1e9:.3f} ns/B ({rate(p['delta'])}), from {p['from']}; "
             f"{meta['date']}, {meta['seconds']} s, `{meta['command']}`"),
             f"PYCOLL_COST={cost_env(p)}",
-            f"reference (GB/s, tools/bench_ref.py): {ref}"] + meta["notes"]
+            f"reference (GB/s, pycoll/cli/bench/ref.py): {ref}"] + meta["notes"]
 
 
 def format_markdown(result: dict) -> str:

@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from pycoll.c10d import shared
+from pycoll.shm import shared
 from pycoll.cuda.paths import backend_devices
 
 

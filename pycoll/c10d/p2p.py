@@ -1,7 +1,7 @@
 """Point-to-point on CPU tensors: a send or receive plan posted on the group's engine.
 
 These calls do not go through the collective queue: each posts a request on the
-communicator's point-to-point engine (``transport/p2p.py``) and returns a Work that the
+communicator's point-to-point engine (``transport/tcp/p2p.py``) and returns a Work that the
 request's completion finishes. Also gloo's monitored barrier, which runs on the same engine.
 """
 

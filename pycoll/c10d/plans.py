@@ -44,7 +44,7 @@ from pycoll.c10d.checks import (
     unflatten_into,
 )
 from pycoll.core.reductions import Reduction, make_reduction
-from pycoll.transport.p2p import ANY
+from pycoll.transport.tcp.p2p import ANY
 
 
 @dataclass(slots=True)

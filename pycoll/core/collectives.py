@@ -6,7 +6,7 @@ can call it as a task. The signature that travels in every frame header (TCP) or
 line (shared memory) is built here.
 
 Paths, by ``comm.mode``: "tcp" runs the tuner's schedule over sockets; "shm" runs the
-direct shared-memory algorithms of ``core/shm_algorithms.py``; "hierarchical" reduces within
+direct shared-memory algorithms of ``shm/algorithms.py``; "hierarchical" reduces within
 each host in shared memory, all-reduces across hosts between one leader per host over
 TCP, and broadcasts within each host (all_reduce, broadcast, barrier); the other
 collectives take the flat TCP schedule across all ranks.
@@ -18,11 +18,11 @@ import functools
 
 import torch
 
-from pycoll.core import shm_algorithms as shm
-from pycoll.core import shm_registered as registered
+from pycoll.shm import algorithms as shm
+from pycoll.shm import registered as registered
 from pycoll.core.kernels import copy
 from pycoll.core.reductions import Reduction
-from pycoll.core.shm_rounds import counts_hash, signature
+from pycoll.shm.rounds import counts_hash, signature
 from pycoll.wire import Signature
 
 

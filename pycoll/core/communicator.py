@@ -31,7 +31,7 @@ from pycoll.core.tuner import Tuner
 from pycoll.core.work import Work, finished
 from pycoll.errors import CommTimeoutError, PycollError, drop_locals, root_cause
 from pycoll.transport import spin
-from pycoll.transport.p2p import P2PEngine
+from pycoll.transport.tcp.p2p import P2PEngine
 
 log = logging.getLogger("pycoll")
 

@@ -18,7 +18,7 @@ from pycoll import rendezvous, settings
 from pycoll.core.executor import Executor
 from pycoll.transport import spin
 from pycoll.transport.base import Transport
-from pycoll.transport.shm.arena import ShmArena
+from pycoll.shm.arena import ShmArena
 from pycoll.transport.tcp.mesh import build_mesh
 from pycoll.transport.tcp.transport import TcpTransport
 

@@ -6,7 +6,7 @@ and three pairs of interprocess CUDA events (``ready``, ``mid``, ``done``, one p
 exports them with torch's own IPC calls (``untyped_storage()._share_cuda_()``,
 ``Event.ipc_handle()``), publishes the handles through the Store and opens every peer's
 (``UntypedStorage._new_shared_cuda``, ``Event.from_ipc_handle``). The buffers are reused by every
-later collective. A host-side ``ShmArena`` (transport/shm/arena.py: futex barriers, pid checks,
+later collective. A host-side ``ShmArena`` (shm/arena.py: futex barriers, pid checks,
 signature check) orders the ranks' hosts; the events order their streams. No cupy needed.
 
 A round of a collective, on the caller's current stream, as the shared-memory algorithms do it:
@@ -39,8 +39,8 @@ import torch
 
 from pycoll import settings, torch_compat
 from pycoll.algorithms.schedule import chunks, displacements
-from pycoll.core.shm_rounds import counts_hash, describe_words, signature
-from pycoll.transport.shm.arena import ShmArena
+from pycoll.shm.rounds import counts_hash, describe_words, signature
+from pycoll.shm.arena import ShmArena
 
 ONE_SHOT_BYTES = 256 << 10
 KEY = "pycoll/cuda/ipc"

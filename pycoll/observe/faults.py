@@ -27,7 +27,7 @@ from typing import Sequence
 
 from pycoll import settings
 from pycoll.core.observer import Observer
-from pycoll.core.shm_rounds import words_nbytes
+from pycoll.shm.rounds import words_nbytes
 from pycoll.transport.base import InFrame, OutFrame, Transport
 from pycoll.wire import decode_header, header_length
 

@@ -22,7 +22,7 @@ import weakref
 
 from pycoll import settings, wire
 from pycoll.core.observer import Observer
-from pycoll.core.shm_rounds import describe_words
+from pycoll.shm.rounds import describe_words
 
 log = logging.getLogger("pycoll")
 _live: "weakref.WeakSet" = weakref.WeakSet()

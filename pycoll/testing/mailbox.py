@@ -25,8 +25,8 @@ from collections import deque
 from pycoll.errors import ProtocolError
 from pycoll.transport.base import InFrame, check_header
 from pycoll.transport.frames import garbage
-from pycoll.transport.shm import futex
-from pycoll.transport.shm.arena import ShmArena
+from pycoll.shm import futex
+from pycoll.shm.arena import ShmArena
 from pycoll.wire import decode_header, header_length
 
 PAGE = 4096                 # a rank's own words, ahead of its mailboxes

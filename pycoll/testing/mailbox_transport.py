@@ -2,7 +2,7 @@
 
 With it the executor runs any schedule between the ranks of one host, as it does over TCP,
 and the same conformance kit checks it (pycoll/testing/conformance.py). The shared-memory
-collectives (core/shm_algorithms) do not use it: they keep the arena's slots and barriers
+collectives (pycoll/shm/algorithms.py) do not use it: they keep the arena's slots and barriers
 for themselves. A transport owns an arena of its own (``ShmTransport.connect``) and uses it
 for the segment (its lifetime: nothing to leak, see arena.py), the peers' pids and the init
 barrier; it never calls the arena's barrier afterwards.
@@ -35,8 +35,8 @@ from typing import Sequence
 from pycoll.errors import CommError, CommTimeoutError, PeerClosedError
 from pycoll.transport import waits
 from pycoll.transport.base import InFrame, OutFrame, Transport, control_error
-from pycoll.transport.shm import futex
-from pycoll.transport.shm.arena import ShmArena
+from pycoll.shm import futex
+from pycoll.shm.arena import ShmArena
 from pycoll.testing.mailbox import (
     ABORTED,
     CLOSED,

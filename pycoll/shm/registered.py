@@ -1,7 +1,7 @@
 """Collectives on registered memory (``pycoll.empty_shared``): in place, no staging.
 
 When every local rank passes a tensor of the group's shared heap at the same offset
-(``transport.shm.registered``), each can read and write its peers' tensors directly, so
+(``shm.heap``), each can read and write its peers' tensors directly, so
 all_reduce needs no staging slot:
 
     barrier (every input is complete; the signatures, registration included, agree)
@@ -43,14 +43,14 @@ import torch
 
 from pycoll import wire
 from pycoll.algorithms.schedule import chunks
-from pycoll.core import shm_algorithms as shm
+from pycoll.shm import algorithms as shm
 from pycoll.core import kernels
 from pycoll.core.kernels import copy
 from pycoll.core.reductions import Reduction
-from pycoll.core.shm_rounds import ONE_SHOT_BYTES, Barriers, counts_hash, describe_words, signature
+from pycoll.shm.rounds import ONE_SHOT_BYTES, Barriers, counts_hash, describe_words, signature
 from pycoll.errors import MismatchError
-from pycoll.transport.shm.arena import ShmArena
-from pycoll.transport.shm.registered import SharedHeap
+from pycoll.shm.arena import ShmArena
+from pycoll.shm.heap import SharedHeap
 
 PIECE_BYTES = 256 << 10     # a piece's P inputs stay in the caches (measured: docs/shm.md)
 ALLOC_ROOT = -2             # the root word that marks an allocation's barrier signature
@@ -85,7 +85,7 @@ def wants_lookup(t: torch.Tensor) -> bool:
 def all_reduce(arena: ShmArena, heap: SharedHeap | None, t: torch.Tensor, red: Reduction, seq: int,
                deadline: float) -> None:
     """all_reduce of flat ``t`` (larger than ONE_SHOT_BYTES) in place when it is registered,
-    by the staged forms of ``shm_algorithms`` when not; applies ``red.finish`` either way."""
+    by the staged forms of ``shm.algorithms`` when not; applies ``red.finish`` either way."""
     what = f"all_reduce seq {seq}"
     block = heap.lookup(t.data_ptr(), t.nbytes) if heap is not None else None
     words = signature("all_reduce", seq, t.dtype, t.numel(), red.name,
@@ -236,7 +236,7 @@ def allocate(arena: ShmArena, heap: SharedHeap, nbytes: int, seq: int, deadline:
     decide what this rank does with its block when it dies and with its peers' pages).
 
     Word 7 (not compared) carries the cached block each rank proposes; it is reused only
-    when every rank proposed the same one (``transport.shm.registered``: Agreement)."""
+    when every rank proposed the same one (``shm.heap``: Agreement)."""
     words = signature("barrier", seq, torch.uint8, nbytes, root=ALLOC_ROOT,
                       extra=heap.next_offset(nbytes) if nbytes else 0)
     reuse = heap.reusable(nbytes) if nbytes else 0

@@ -3,7 +3,7 @@
 As NCCL's ``ncclMemAlloc`` + ``ncclCommRegister``: every rank of the group calls
 ``empty_shared`` in the same order with the same shapes and dtypes (it is a collective);
 each gets its own tensor, and the group's collectives that recognise such tensors on all
-local ranks at the same place work on them in place (all_reduce: ``core.shm_registered``).
+local ranks at the same place work on them in place (all_reduce: ``shm.registered``).
 On a group whose ranks do not all share one host, or that is not on shared memory, it
 returns an ordinary ``torch.empty`` tensor without communicating (``can_share_memory`` says
 which), so code can call it unconditionally on pycoll groups.
@@ -16,9 +16,9 @@ import math
 import torch
 
 from pycoll import torch_compat
-from pycoll.core import shm_registered
+from pycoll.shm import registered as shm_registered
 from pycoll.core.reductions import SUPPORTED_DTYPES
-from pycoll.transport.shm.registered import SharedHeap
+from pycoll.shm.heap import SharedHeap
 
 
 def _backend(group):

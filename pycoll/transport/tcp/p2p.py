@@ -31,7 +31,7 @@ from pycoll import callbacks, settings
 from pycoll.errors import CommError, CommTimeoutError, PeerClosedError, ProtocolError
 from pycoll.transport.base import control_error
 from pycoll.transport.frames import control_reason, next_frame
-from pycoll.transport.p2p_requests import ANY, Discard, Incoming, Request, size_error, too_big, write
+from pycoll.transport.tcp.p2p_requests import ANY, Discard, Incoming, Request, size_error, too_big, write
 from pycoll.transport.tcp.transport import Conn
 from pycoll.wire import (
     ABORT,

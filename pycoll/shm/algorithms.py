@@ -37,13 +37,13 @@ from pycoll.algorithms.schedule import chunks, displacements
 from pycoll.core import kernels
 from pycoll.core.kernels import copy
 from pycoll.core.reductions import Reduction
-from pycoll.core.shm_rounds import (
+from pycoll.shm.rounds import (
     ONE_SHOT_BYTES,
     Barriers,
     rounds,
 )
 from pycoll.errors import MismatchError
-from pycoll.transport.shm.arena import ShmArena
+from pycoll.shm.arena import ShmArena
 
 # Two-rank all_reduce rounds of 1 MiB rather than the whole 4 MiB slot: a round that stays
 # in the caches beats one that streams through memory (measured: docs/performance.md,

@@ -3,7 +3,7 @@
 ``SharedHeap`` is the per-group allocator behind ``pycoll.empty_shared``. It hands out
 blocks of memory that every local rank can read and write, so that a collective on tensors
 living there can work on the peers' tensors directly instead of staging them (the
-registered all_reduce of ``core.shm_registered``).
+registered all_reduce of ``shm.registered``).
 
 Layout. The heap is a list of chunks; a chunk is one ``memfd_create`` segment holding one
 region per local rank, of ``length`` bytes each (``PYCOLL_SHM_HEAP_BYTES``, default 64 MiB,
@@ -65,7 +65,7 @@ import numpy as np
 import torch
 
 from pycoll import settings
-from pycoll.transport.shm import segment
+from pycoll.shm import segment
 
 PAGE = 4096
 FAULT_AROUND = 64 << 10     # the kernel's default fault_around_bytes

@@ -40,7 +40,7 @@ from pycoll import settings
 from pycoll.errors import CommTimeoutError, MismatchError, PeerClosedError
 from pycoll.transport import spin as spinning
 from pycoll.transport import waits
-from pycoll.transport.shm import futex, segment
+from pycoll.shm import futex, segment
 
 LINE = 512                  # bytes of control per rank
 SLEEP = 3                   # int32 word of a rank's line: set while it may block in FUTEX_WAIT
@@ -132,7 +132,7 @@ class ShmArena:
         return view
 
     def next_parity(self) -> int:
-        """Rounds alternate between the two slot halves (core/shm_algorithms.py says why two are enough)."""
+        """Rounds alternate between the two slot halves (shm/algorithms.py says why two are enough)."""
         # Two parity steps without a barrier between them would let this rank overwrite a
         # slot half that a slower peer may still be reading: a bug, never a choice.
         assert not self._unsynced_round, "shm round started without a barrier after the previous one"

@@ -17,7 +17,7 @@ import time
 
 from pycoll import rendezvous
 from pycoll.errors import CommTimeoutError, PeerClosedError
-from pycoll.transport.shm import futex
+from pycoll.shm import futex
 
 
 def map_segment(store, key: str, local_rank: int, size: int, total: int, deadline: float,

@@ -1,7 +1,7 @@
 """GPU all_reduce benchmark: pycoll's nccl / ipc / staging paths against torch's own NCCL.
 
-    python -m pycoll.cuda.bench                      # table on stdout
-    python -m pycoll.cuda.bench --json out.jsonl --max-bytes 268435456 --timeout 120
+    python -m pycoll cuda-bench                          # table on stdout
+    python -m pycoll cuda-bench --json out.jsonl --max-bytes 268435456 --timeout 120
 
 Each configuration runs in fresh processes (spawned, so no CUDA state is inherited) that all
 use GPU 0 unless there are enough GPUs for one each: NCCL refuses two ranks on one GPU, so on a
@@ -126,7 +126,7 @@ def table(results: dict, sizes: list[int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pycoll.cuda.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m pycoll cuda-bench", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-bytes", type=int, default=256 << 20)
     ap.add_argument("--timeout", type=float, default=150, help="seconds per configuration")

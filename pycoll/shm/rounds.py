@@ -14,7 +14,7 @@ import zlib
 import torch
 
 from pycoll import wire
-from pycoll.transport.shm.arena import ShmArena
+from pycoll.shm.arena import ShmArena
 
 ONE_SHOT_BYTES = 64 << 10   # all_reduce in one round, each rank reducing all inputs, up to this
 # Word values of torch dtypes: a dict lookup by dtype on the latency path (no name formatting).

@@ -1,7 +1,7 @@
 """Every ``PYCOLL_*`` environment variable, declared once: name, type, default, meaning.
 
 The code reads a setting only through ``get(name)``, and the README's settings table is
-checked against this table by ``tests/test_settings.py`` (every name there, every default as
+checked against this table by ``tests/unit/test_settings.py`` (every name there, every default as
 written here), so a knob cannot be added, renamed or re-defaulted in one place only. NCCL
 does the same with ``NCCL_PARAM``.
 

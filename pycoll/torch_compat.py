@@ -76,6 +76,11 @@ def reset_group_count() -> None:
     _need(c10d, "_world", "the c10d world state").group_count = 0
 
 
+def premul_sum(factor):
+    """torch's ReduceOp.PREMUL_SUM with ``factor`` (what ``dist._make_nccl_premul_sum`` makes)."""
+    return _need(dist, "_make_nccl_premul_sum", "the PREMUL_SUM op maker")(factor)
+
+
 def foreach_copy(dst: list, src: list) -> None:
     """``d.copy_(s)`` for each pair, fused into one call where torch offers it."""
     fused = getattr(torch, "_foreach_copy_", None)

@@ -1,4 +1,5 @@
-"""Session-wide fixtures: the shared rank pool is shut down when the session ends."""
+"""Session-wide fixtures: the shared rank pool is shut down when the session ends; ``backend``
+runs a test once on gloo and once on pycoll."""
 
 import pytest
 
@@ -9,3 +10,8 @@ from pycoll.testing import ranks
 def _rank_pool():
     yield
     ranks.shutdown()
+
+
+@pytest.fixture(params=["gloo", "pycoll"])
+def backend(request) -> str:
+    return request.param

@@ -18,7 +18,7 @@ first, and contributes its deposit only if it had made it by then. A round takes
 It prints the time full sync takes over the time each mode takes, at several steps: the
 speed-up in steps per second that these rules allow when a round costs nothing but
 ``overhead`` (the experiment's time to an accuracy also depends on how stale gradients slow
-learning). The pure function ``simulate`` is tested in tests/test_eager_sgd_model.py.
+learning). The pure function ``simulate`` is tested in tests/clients/test_eager_sgd_model.py.
 
 Majority at two ranks has a closed-form ceiling: one rank late by d every step, nothing else
 costing time, full sync over majority tends to 3 - sqrt(3) = 1.268 (derived in

@@ -7,7 +7,7 @@
 # 2. wheels carried in .whl/ (if any) go to /tmp/site, never a torch wheel when a CUDA torch is
 #    already installed; if cupy cannot load libnccl, the nvidia-nccl wheel's lib folder is added
 #    to LD_LIBRARY_PATH;
-# 3. tests/test_cuda.py (CPU parts + every GPU test) under a 240 s limit;
+# 3. tests/ranks/test_cuda.py (CPU parts + every GPU test) under a 240 s limit;
 # 4. the GPU bench (python -m pycoll cuda-bench): pycoll-nccl and torch-nccl (world 1 on one GPU),
 #    pycoll-ipc and pycoll-staging (2 and 4 processes sharing the GPU), all_reduce 8 B..256 MiB,
 #    under a 200 s limit; prints a table.
@@ -53,8 +53,8 @@ if ! nccl_probe; then
 fi
 $PY -m pycoll doctor 2>&1 | tee "$OUTDIR/doctor.txt"
 
-say "tests/test_cuda.py"
-timeout -k 10 240 $PY -m pytest -q -rs tests/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUTDIR/tests.log"
+say "tests/ranks/test_cuda.py"
+timeout -k 10 240 $PY -m pytest -q -rs tests/ranks/test_cuda.py -p no:cacheprovider 2>&1 | tee "$OUTDIR/tests.log"
 tests_rc=${PIPESTATUS[0]}
 say "tests exit status $tests_rc"
 

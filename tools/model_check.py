@@ -6,7 +6,7 @@ and the fit of the tuner's parameters.
 
 The models are the package's: each algorithm module's ``terms(world, n)`` (rounds, bytes
 moved and bytes reduced on the critical path; the table in docs/algorithms.md, checked
-against the real ``Schedule`` objects by tests/test_model_check.py) and ``copied(world, n)``
+against the real ``Schedule`` objects by tests/clients/test_model_check.py) and ``copied(world, n)``
 (bytes copied locally), priced by its ``cost(world, nbytes, params)`` as the tuner prices
 them: T = rounds*alpha + bytes*beta + reduced*gamma + copied*delta. The parameters are
 measured in the same run on the same path (PYCOLL_TRANSPORT=tcp): gamma and delta = seconds
@@ -51,7 +51,7 @@ from pycoll.cli.bench.launch import parse_size  # noqa: E402
 Cost, ZERO = Terms, TERMS_ZERO
 CHECKED = ("all_reduce", "all_gather", "broadcast", "reduce_scatter", "all_to_all", "barrier")
 MODELS = {c: {a: m.terms for a, m in algorithms.MODULES[c].items()} for c in CHECKED}
-# Names tests/test_model_check.py checks the fold on.
+# Names tests/clients/test_model_check.py checks the fold on.
 ar_ring, ar_halving_doubling, ar_recursive_doubling = (
     MODELS["all_reduce"][a] for a in ("ring", "halving_doubling", "recursive_doubling"))
 

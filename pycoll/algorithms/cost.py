@@ -16,7 +16,7 @@ busy than there are cores waits for a scheduler's wake-up and time slice: it cos
 halving-doubling off powers of two).
 
 (a, b, c) are the ``Terms`` of docs/algorithms.md's table, one ``terms(world, n)`` per algorithm
-module, checked against the schedules themselves by tests/test_model_check.py. d, the local
+module, checked against the schedules themselves by tests/clients/test_model_check.py. d, the local
 copies (``copied(world, n)``), is the textbook model's blind spot that this package adds: it
 is what makes Bruck's rotation (a copy of the whole output) lose to ring for large all-gathers,
 and recursive doubling's final copy count against it for large all-reduces.

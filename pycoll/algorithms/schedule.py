@@ -86,7 +86,7 @@ class Schedule:
             self.steps.append(tuple(actions))
 
     def bytes_sent(self, itemsize: int) -> int:
-        """Payload bytes this rank sends (tests/test_model_check.py checks the beta terms on it)."""
+        """Payload bytes this rank sends (tests/clients/test_model_check.py checks the beta terms on it)."""
         return sum(a.count * itemsize for step in self.steps for a in step if isinstance(a, Send))
 
 

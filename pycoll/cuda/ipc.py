@@ -89,7 +89,7 @@ class IpcPath:
                 self.peer_events[q] = {k: [torch.cuda.Event.from_ipc_handle(peer_dev, h) for h in hs]
                                        for k, hs in info["events"].items()}
 
-    # Stream ordering; a host-memory stand-in (tests/test_cuda.py) replaces these three.
+    # Stream ordering; a host-memory stand-in (tests/ranks/test_cuda.py) replaces these three.
     def _record(self, kind: str, p: int) -> None:
         self.events[kind][p].record(torch.cuda.current_stream())
 

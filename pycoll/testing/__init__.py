@@ -4,6 +4,11 @@ transport, can run what pycoll's tests run (as trio ships ``trio.testing``):
 - ``ranks``: ``run_ranks(fn, world, ...)`` runs ``fn(rank, world, *args)`` on a reused pool
   of rank processes (forkserver, torch preloaded), each with a fresh c10d Store and, when
   asked, an initialised default group; the first failure or a timeout kills every rank.
+  ``fresh``: ``launch(fn, world, ...)`` for ranks that may die or hang on purpose (fault
+  tests): fresh processes from the same forkserver, each optionally in a network namespace,
+  every one reaped whatever happens.
+- ``reference``: the whole-world reference of every collective, and ``run_case``, which runs
+  any algorithm's schedules on in-memory ranks and compares each rank with it.
 - ``conformance``: what every transport must do (ordering, deadlines, abort, sever, close,
   peer death), one ``check_*(maker)`` each; ``worlds`` builds connected transports of every
   kind for them (``memory_world``, ``tcp_world``, ``shm_world``) and checks for leaks.

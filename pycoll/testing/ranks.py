@@ -104,10 +104,17 @@ def pycoll_memory() -> list[str]:
     return found
 
 
+def forkserver():
+    """The multiprocessing context every rank starts from: a forkserver with torch (and pycoll)
+    preloaded, so a rank starts in ~0.1 s instead of seconds."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "pycoll", "ddp"])
+    return ctx
+
+
 class _Pool:
     def __init__(self) -> None:
-        self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(["torch", "torch.distributed", "pycoll", "ddp"])
+        self._ctx = forkserver()
         self._workers: list[tuple[mp.Process, mpc.Connection]] = []
 
     def ensure(self, n: int) -> None:

@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from tests.test_faults import TCP, _check_survivors, _mismatch, _until_error
-from tests.test_faults_kit import explain, launch
-from tests.test_soak import _soak
+from tests.support.faults import TCP, _check_survivors, _mismatch, _until_error
+from pycoll.testing.fresh import explain, launch
+from tests.support.soak import _soak
 
 pytestmark = pytest.mark.timeout(60)
 WORLD = 3

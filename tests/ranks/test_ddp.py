@@ -12,20 +12,11 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 
 import ddp
 from pycoll.testing.ranks import run_ranks
-from tests.test_ddp_support import (
-    batches,
-    build,
-    flag_for,
-    local_train,
-    loss_fn,
-    max_rel_err,
-    optimizer,
-)
+from tests.support.ddp_models import batches, build, flag_for, local_train, loss_fn, max_rel_err, optimizer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -138,21 +129,6 @@ def equivalence_rank(rank: int, world: int, name: str) -> dict:
         "buckets": ours.bucket_indices(),
         "n_params": len(ours.reducer.params),
     }
-
-
-def pycoll_available() -> bool:
-    try:
-        import pycoll  # noqa: F401
-    except Exception:  # noqa: BLE001 - any failure to import means "not ready yet"
-        return False
-    return "pycoll" in dist.Backend.backend_list
-
-
-@pytest.fixture(params=["gloo", "pycoll"])
-def backend(request) -> str:
-    if request.param == "pycoll" and not pycoll_available():
-        pytest.skip("pycoll is not importable or does not register the 'pycoll' backend yet")
-    return request.param
 
 
 @pytest.mark.timeout(60)

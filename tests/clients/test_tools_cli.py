@@ -16,7 +16,7 @@ from pycoll.algorithms import ALGORITHMS
 from pycoll.algorithms.schedule import COMM, RecvReduce, Send
 from pycoll.cli.draw import build, resolve, timeline
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 
 

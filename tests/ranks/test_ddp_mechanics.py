@@ -13,8 +13,7 @@ from torch import nn
 import ddp
 from ddp.buckets import assign_buckets, host_cpus, overlap_pays
 from pycoll.testing.ranks import run_ranks
-from tests.test_ddp import backend  # noqa: F401  (the gloo/pycoll fixture)
-from tests.test_ddp_support import Unused, batches, loss_fn, mlp
+from tests.support.ddp_models import Unused, batches, loss_fn, mlp
 
 pytestmark = pytest.mark.timeout(60)
 

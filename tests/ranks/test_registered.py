@@ -18,6 +18,14 @@ import torch
 import torch.distributed as dist
 
 from pycoll.testing.ranks import run_ranks
+from tests.support.registered import (
+    DTYPE_OPS,
+    _heap_fds,
+    _heap_maps,
+    _inputs,
+    _redop,
+    _reference,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,48 +45,6 @@ def _count_registered():
         return original(*args)
     R._reduce_slice = counted
     return calls, lambda: setattr(R, "_reduce_slice", original)
-
-
-def _inputs(rank: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 * rank + n)
-    if dtype is torch.bool:
-        return torch.rand(n, generator=g) < 0.5
-    if dtype.is_floating_point or dtype.is_complex:
-        x = torch.randn(n, generator=g, dtype=torch.float64)
-        if op == "product":
-            x = 1 + x / 8          # keep products of 4 ranks in range
-        if dtype.is_complex:
-            x = torch.complex(x, torch.randn(n, generator=g, dtype=torch.float64))
-        return x.to(dtype)
-    hi = 3 if op == "product" else 100
-    lo = 0 if dtype is torch.uint8 else -hi
-    return torch.randint(lo, hi, (n,), generator=g, dtype=torch.int64).to(dtype)
-
-
-def _reference(world: int, n: int, dtype, op: str) -> torch.Tensor:
-    xs = [_inputs(r, n, dtype, op) for r in range(world)]
-    if dtype is torch.bool:
-        fold = {"sum": torch.logical_or, "max": torch.logical_or, "bor": torch.logical_or,
-                "product": torch.logical_and, "min": torch.logical_and, "band": torch.logical_and,
-                "bxor": torch.logical_xor}[op]
-    else:
-        fold = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "min": torch.minimum,
-                "max": torch.maximum, "band": torch.bitwise_and, "bor": torch.bitwise_or,
-                "bxor": torch.bitwise_xor, "premul_sum": torch.add}[op]
-    if op == "premul_sum":
-        xs = [x * 0.5 for x in xs]
-    acc = xs[0].clone()
-    for x in xs[1:]:
-        acc = fold(acc, x)
-    if op == "avg":
-        acc = acc / world if (dtype.is_floating_point or dtype.is_complex) else torch.div(acc, world, rounding_mode="trunc")
-    return acc
-
-
-def _redop(op: str, dtype):
-    if op == "premul_sum":
-        return dist._make_nccl_premul_sum(0.5)
-    return getattr(dist.ReduceOp, op.upper())
 
 
 def _all_reduce_cases(rank, world, cases):
@@ -114,21 +80,6 @@ def _check(results, cases, world):
         assert all(row[4] == (1 if big else 0) for row in rows), f"path: {rows}"
         if n:
             assert all(row[5] for row in rows), rows
-
-
-DTYPE_OPS = [
-    (torch.float32, ["sum", "product", "min", "max", "avg", "premul_sum"]),
-    (torch.float64, ["sum", "avg"]),
-    (torch.float16, ["sum", "max"]),
-    (torch.bfloat16, ["sum", "min"]),
-    (torch.complex64, ["sum", "avg"]),
-    (torch.int32, ["sum", "product", "min", "max", "band", "bor", "bxor", "avg"]),
-    (torch.int64, ["sum", "bxor"]),
-    (torch.int8, ["max"]),
-    (torch.int16, ["sum"]),
-    (torch.uint8, ["bor", "sum"]),
-    (torch.bool, ["sum", "product", "bxor"]),
-]
 
 
 def _sizes(dtype):
@@ -228,19 +179,6 @@ def test_registration_mismatch_is_an_error_everywhere(how):
 
 
 # -- lifetime ------------------------------------------------------------------------------
-def _heap_maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum("pycoll-heap" in line for line in f)
-
-
-def _heap_fds() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += "pycoll-heap" in os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
-    return n
 
 
 def _lifetime(rank, world):
@@ -413,7 +351,7 @@ def test_ddp_rebuild_gives_the_old_buckets_memory_back():
 
 def _ddp_bucket_rss(rank, world, budget, hook):
     from ddp import DistributedDataParallel, hooks
-    from tests.test_heap_reuse import _heap_rss
+    from tests.support.registered import _heap_rss
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))   # 16 MiB of grads

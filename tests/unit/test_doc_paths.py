@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOP = ("pycoll", "tests", "tools", "docs", "ddp", ".ci")
 SUBPACKAGES = tuple(p.name for p in (ROOT / "pycoll").iterdir() if (p / "__init__.py").exists())
 EXT = r"\.(?:py|md|png|toml)"

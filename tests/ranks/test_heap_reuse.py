@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll.testing.ranks import run_ranks
-from tests.test_registered import _heap_maps
+from tests.support.registered import _heap_maps, _heap_rss
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -109,19 +109,6 @@ def test_the_cache_holds_at_most_its_bound_and_destroy_empties_it(cap, blocks):
     res = run_ranks(_bounded, 2, backend="pycoll", env={"PYCOLL_SHM_HEAP_CACHE_BYTES": str(cap)})
     for s in res:
         assert s == {"cached": blocks, "bytes": blocks * 40 * 4096, "after_destroy": 0}, res
-
-
-def _heap_rss() -> int:
-    """Bytes of the group's heap mappings resident in this process (its own pages and the
-    peers' it has touched), from /proc/self/smaps."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            if not line[0].isupper():            # a mapping's header line
-                inside = "pycoll-heap" in line
-            elif inside and line.startswith("Rss:"):
-                total += int(line.split()[1]) * 1024
-    return total
 
 
 BIG = 4 << 20       # bytes: a registered all_reduce of this touches half the peer's copy

@@ -17,7 +17,7 @@ from pycoll.cli.bench import launch as bench
 from pycoll.cli.bench.collectives import COLLECTIVES
 from pycoll.cli.bench.harness import run_sweep, split_rounds, sweep_plan
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ALL = list(COLLECTIVES)
 
 

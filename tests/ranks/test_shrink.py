@@ -266,7 +266,7 @@ def test_the_survival_recipe_trains_to_the_end_as_a_3_rank_run_would():
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = subprocess.run([sys.executable, os.path.join(root, "tools", "survive.py"), "--steps", "10",
                           "--kill-step", "4", "--no-torchrun", "--json"], capture_output=True, text=True,
                          timeout=220, env=dict(os.environ, OMP_NUM_THREADS="1"))

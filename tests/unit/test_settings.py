@@ -11,7 +11,7 @@ import pytest
 
 from pycoll import settings
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _readme_rows() -> dict[str, str]:

@@ -18,16 +18,7 @@ import torch.distributed as dist
 
 from pycoll.errors import CommError
 from pycoll.testing.ranks import run_ranks
-from tests.test_vs_gloo import (
-    BOOL,
-    DTYPES,
-    TRANSPORTS,
-    Checker,
-    _assert_clean,
-    gen,
-    reference,
-    seed_of,
-)
+from tests.support.vs_gloo import BOOL, DTYPES, TRANSPORTS, Checker, _assert_clean, gen, reference, seed_of
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 

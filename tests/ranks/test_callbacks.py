@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pycoll import callbacks
-from pycoll.testing.ranks import run_ranks
+from pycoll.testing.ranks import rank_store, run_ranks
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
@@ -152,11 +152,13 @@ def test_collective_inside_a_then_callback_completes(transport):
 def _p2p_in_callback(rank, world):
     peer = 1 - rank
     got = torch.zeros(4)
-    if rank == 0:
-        time.sleep(0.3)     # rank 1's receive is posted first: the progress thread completes it
+    store = rank_store()
+    if rank == 0:       # rank 1's receive is posted first: the progress thread completes it
+        store.wait(["posted"])
         work = dist.isend(torch.ones(4), peer)
     else:
         work = dist.irecv(got, peer)
+        store.set("posted", "1")
 
     def cb(fut):
         u = torch.zeros(2)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pycoll.testing.ranks import run_ranks
-from tests.test_registered import DTYPE_OPS, _inputs, _redop, _reference
+from tests.support.registered import DTYPE_OPS, _inputs, _redop, _reference
 
 pytestmark = pytest.mark.timeout(300)
 

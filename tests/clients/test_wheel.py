@@ -25,7 +25,7 @@ import pytest
 
 from pycoll.__main__ import COMMANDS
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HAS_MPL = importlib.util.find_spec("matplotlib") is not None
 # Whatever a build or a test run leaves in a checkout; none of it belongs in the wheel's input.
 NOT_SOURCE = (".git", "__pycache__", "*.egg-info", "build", "dist", ".venv", ".pytest_cache",

@@ -1,6 +1,6 @@
 """Launcher for fault tests: fresh rank processes that may die, with every process reaped.
 
-``pycoll/testing/ranks.py``'s pool treats a dead rank as a failed test (and rebuilds the pool);
+``ranks.py``'s pool treats a dead rank as a failed test (and rebuilds the pool);
 fault tests kill ranks on purpose. ``launch`` forks fresh ranks from the same forkserver
 (torch preloaded, so a rank starts in ~0.1 s), gives each a pycoll group over a fresh
 store, records when each process died (``died_at``, from its sentinel) and what each
@@ -11,7 +11,6 @@ Each rank may run in a network namespace (``netns``) with its own listen address
 from __future__ import annotations
 
 import ctypes
-import multiprocessing as mp
 import multiprocessing.connection as mpc
 import os
 import signal
@@ -20,7 +19,7 @@ import time
 import traceback
 from datetime import timedelta
 
-import pytest
+from pycoll.testing import ranks
 
 BASE: dict = {}   # in a rank: fds/threads measured after the store, before the group
 
@@ -75,12 +74,6 @@ def _child(conn, fn, rank, world, args, env, group_timeout, store_addr, netns) -
         conn.send(("err", traceback.format_exc()))
 
 
-def _context():
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "pycoll", "ddp"])
-    return ctx
-
-
 def launch(fn, world: int, *args, env: dict | None = None, group_timeout: float = 30.0,
            timeout: float = 60.0, netns: list[str] | None = None, store_host: str = "127.0.0.1",
            kill_after: tuple[int, float] | None = None) -> list[dict]:
@@ -93,7 +86,7 @@ def launch(fn, world: int, *args, env: dict | None = None, group_timeout: float 
     """
     import torch.distributed as dist
 
-    ctx = _context()
+    ctx = ranks.forkserver()
     env = {"PYCOLL_TRANSPORT": "tcp", **(env or {})}
     store = None
     if netns:
@@ -173,26 +166,3 @@ def launch(fn, world: int, *args, env: dict | None = None, group_timeout: float 
 
 def explain(out: list[dict]) -> str:
     return "\n".join(f"rank {r}: {o['status']} exit={o['exitcode']}\n{o['value']}" for r, o in enumerate(out))
-
-
-# -- the launcher's own checks ---------------------------------------------------------------
-
-def _sleep_forever(rank, world):
-    if rank == 1:
-        time.sleep(3600)
-    return rank
-
-
-def _die(rank, world):
-    if rank == 1:
-        os.kill(os.getpid(), signal.SIGKILL)
-    return rank
-
-
-@pytest.mark.timeout(60)
-def test_launcher_reaps_hung_and_dead_ranks():
-    out = launch(_sleep_forever, 2, timeout=8)
-    assert out[0]["status"] == "ok" and out[1]["status"] == "hung", explain(out)
-    out = launch(_die, 2, timeout=20)
-    assert out[1]["status"] == "dead" and out[1]["exitcode"] == -signal.SIGKILL, explain(out)
-    assert out[0]["status"] == "ok", explain(out)

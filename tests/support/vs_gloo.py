@@ -1,17 +1,6 @@
-"""pycoll against gloo, in the same processes, on the same seeded inputs.
-
-Every rank initialises pycoll as its default group and opens a gloo group over the same
-ranks; each check runs one collective on pycoll and on gloo with identical inputs (regenerated
-from a seed, so the two calls never share memory) and compares the results: exactly for
-integers and bool (and for all data movement), for floating point within the error bound
-that a different summation order implies. Where gloo does not support something (AVG on
-integers, PREMUL_SUM, int16, uneven reduce_scatter...) the result is compared with a
-whole-world reference computed in the rank from all ranks' seeded inputs instead; pycoll is
-compared with that reference in every case anyway.
-
-A rank function covers a whole area (all collectives x dtypes x ops x sizes x roots) and
-returns a list of mismatches, so that one failing test shows every mismatch at once, each
-naming collective, dtype, op, size, root, world, rank and the max abs diff.
+"""pycoll against gloo on identical seeded inputs: inputs, the whole-world reference with its
+error bounds, the checker, and the rank functions that cover every collective (an area).
+Used by tests/ranks/test_vs_gloo.py and tests/ranks/test_c10d_surface.py.
 """
 
 from __future__ import annotations
@@ -23,22 +12,40 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pycoll.testing.ranks import run_ranks
-
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
-
 R = dist.ReduceOp
+
+
 BOOL = torch.bool
+
+
 INTS = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64]
+
+
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
 COMPLEX = [torch.complex64, torch.complex128]
+
+
 DTYPES = [BOOL, *INTS, *FLOATS, *COMPLEX]
+
+
 OPS = ["SUM", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "AVG", "PREMUL_SUM"]
+
+
 PREMUL_FACTOR = 1.5
+
+
 BIG = 70_001          # crosses the all_reduce / all_gather / broadcast size thresholds
+
+
 # at BIG, reductions leave torch for numpy (or slices): pycoll/core/kernels.py
 BIG_OPS = ("SUM", "MAX", "BXOR", "AVG", "PREMUL_SUM")
+
+
 MAX_REPORT = 40       # mismatches listed per rank
+
+
 # "auto" takes shared memory when all ranks share a host (as here); "tcp" forces sockets
 TRANSPORTS = ["tcp", "auto"]
 
@@ -91,7 +98,6 @@ def gen(dtype: torch.dtype, n, seed: int, op: str = "") -> torch.Tensor:
     return torch.randn(shape, generator=g, dtype=real).to(dtype)
 
 
-# -- whole-world reference -------------------------------------------------------------------
 def reference(xs: list[torch.Tensor], op: str, world: int):
     """(result, tolerance or None): the op over every rank's input, as a single process sees it."""
     dtype = xs[0].dtype
@@ -136,7 +142,6 @@ def bound(mag: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype, world: int
     return ((world + 2) * fi.eps * (mag.double() + _abs(exact).double()) + fi.tiny)
 
 
-# -- comparison ------------------------------------------------------------------------------
 class Checker:
     def __init__(self, rank: int, world: int, label: str) -> None:
         self.rank, self.world, self.label = rank, world, label
@@ -250,7 +255,6 @@ def check_pair(ck: Checker, what: str, p, g, ref, tol=None) -> None:
         ck.gloo_refused = getattr(ck, "gloo_refused", 0) + 1
 
 
-# -- the rank functions --------------------------------------------------------------------------
 def _all_reduce_area(ck: Checker, rank: int, world: int, sizes, dtypes, ops, big_dtypes) -> None:
     case = 0
     for dtype in dtypes:
@@ -519,73 +523,3 @@ def _assert_clean(results: list[dict]) -> None:
         shown = "\n".join(fails[:MAX_REPORT])
         more = f"\n... and {len(fails) - MAX_REPORT} more" if len(fails) > MAX_REPORT else ""
         pytest.fail(f"{len(fails)} mismatches:\n{shown}{more}", pytrace=False)
-
-
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("area", ["reductions", "movement"])
-@pytest.mark.parametrize("world,transport", [(1, "auto"), (2, "auto"), (3, "auto"), (4, "auto"),
-                                             (2, "tcp"), (4, "tcp")])
-def test_every_collective_vs_gloo(world, transport, area):
-    """Every collective x dtype x op x size (x root) on pycoll == gloo (== reference), on the
-    default path (auto: shared memory here) and on TCP (world 3 on TCP: the forced runs below)."""
-    _assert_clean(run_ranks(_area, world, area, True, backend="pycoll", timeout=140,
-                            env={"PYCOLL_TRANSPORT": transport}))
-
-
-# Every algorithm of every collective at least once, at world sizes 3 and 4, forced with
-# PYCOLL_ALGO; small segments in half the runs so that multi-segment frames run too.
-ALGOS = {
-    "all_reduce": ["ring", "recursive_doubling", "halving_doubling", "tree"],
-    "all_gather": ["ring", "bruck", "recursive_doubling"],
-    "broadcast": ["binomial", "scatter_allgather"],
-    "reduce_scatter": ["ring", "pairwise"],
-}
-
-
-def _forced(i: int, world: int) -> str:
-    parts = []
-    for coll, names in ALGOS.items():
-        usable = [a for a in names if not (a == "recursive_doubling" and coll == "all_gather" and world & (world - 1))]
-        parts.append(f"{coll}={usable[i % len(usable)]}")
-    return ",".join(parts)
-
-
-def _algo_run(rank: int, world: int, expect: str) -> dict:
-    from pycoll.core.tuner import parse_overrides
-
-    pg = dist.distributed_c10d._get_default_group()
-    comm = getattr(pg, "communicator", None)
-    fails = []
-    if comm is not None and comm.tuner.overrides != parse_overrides(expect):
-        fails.append(f"rank {rank}: PYCOLL_ALGO not applied: {comm.tuner.overrides}")
-    r1 = _area(rank, world, "reductions", False)
-    r2 = _area(rank, world, "movement", False)
-    return {"fails": fails + r1["fails"] + r2["fails"], "checks": r1["checks"] + r2["checks"]}
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("i", range(4))
-@pytest.mark.parametrize("world", [3, 4])
-def test_forced_algorithms_vs_gloo(world, i):
-    algo = _forced(i, world)
-    env = {"PYCOLL_ALGO": algo, "PYCOLL_TRANSPORT": "tcp"}   # schedules run on the TCP path
-    if i % 2:
-        env["PYCOLL_SEGMENT_BYTES"] = "4096"
-    _assert_clean(run_ranks(_algo_run, world, algo, backend="pycoll", timeout=110, env=env))
-
-
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("world,hosts", [(3, "h0,h0,h1"), (4, "h0,h0,h1,h1")])
-def test_hierarchical_vs_gloo(world, hosts):
-    """Two emulated hosts (PYCOLL_HOST_ID): shared memory within each, TCP between leaders."""
-    env = {"PYCOLL_TRANSPORT": "hierarchical", "PYCOLL_HOST_ID": hosts}
-    _assert_clean(run_ranks(_hier_run, world, backend="pycoll", timeout=140, env=env))
-
-
-def _hier_run(rank: int, world: int) -> dict:
-    comm = dist.distributed_c10d._get_default_group().communicator
-    fails = [] if comm.mode == "hierarchical" and len(comm.leaders) == 2 else [
-        f"rank {rank}: mode {comm.mode}, leaders {comm.leaders}"]
-    r1 = _area(rank, world, "reductions", False)
-    r2 = _area(rank, world, "movement", False)
-    return {"fails": fails + r1["fails"] + r2["fails"], "checks": r1["checks"] + r2["checks"]}

@@ -18,7 +18,7 @@ import pytest
 from pycoll.algorithms import ALGORITHMS
 from pycoll.errors import CommTimeoutError
 from pycoll.testing.memory import DeadlockError, MemoryHub
-from tests import test_algorithms as algos
+from pycoll.testing import reference as algos
 from pycoll.testing import conformance as kit
 from pycoll.testing import worlds
 

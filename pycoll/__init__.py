@@ -9,20 +9,24 @@
 
 from __future__ import annotations
 
-import torch
-import torch.distributed as dist
 
-from pycoll import torch_compat
-from pycoll.c10d.backend import ProcessGroupPycoll, create
-from pycoll.shm.shared import (  # registered buffers
-    can_share_memory,
-    empty_shared,
-    is_registered,
-    shared_scratch,
-)
-from pycoll.core.work import Work
-from pycoll.cuda.paths import backend_devices
-from pycoll.errors import (
+def _autoload() -> None:
+    """torch's ``torch.backends`` entry point (pyproject.toml): ``import torch`` calls it in
+    every process unless ``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, so every process knows the
+    backend by name, also those that never import pycoll (Ray Train's workers, spawned
+    children). Loading it imported this package, which registers the backend below; it is
+    defined before ``import torch`` because a process that imports pycoll first reaches it
+    from inside that import, while this module is still half made."""
+
+
+import importlib  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from pycoll import torch_compat  # noqa: E402
+from pycoll.cuda.paths import backend_devices  # noqa: E402
+from pycoll.errors import (  # noqa: E402
     AuthenticationError,
     CommError,
     CommTimeoutError,
@@ -31,18 +35,61 @@ from pycoll.errors import (
     ProtocolError,
     PycollError,
 )
-from pycoll.observe.stragglers import stats
-from pycoll.partial import (
-    PartialAllReduce,  # eager-SGD partial all-reduce; also pycoll.partial.*
-)
 
 __version__ = "0.1.0"
 BACKEND_NAME = "pycoll"
 
+# The public names that need the rest of pycoll, imported on first use (PEP 562), so that
+# ``import pycoll``, which torch runs in every process through the entry point, stays cheap:
+# no threads, sockets or Store at import, and none of the data path until a group is made.
+_LAZY = {
+    "ProcessGroupPycoll": "pycoll.c10d.backend",
+    "Work": "pycoll.core.work",
+    "can_share_memory": "pycoll.shm.shared",   # registered buffers
+    "empty_shared": "pycoll.shm.shared",
+    "is_registered": "pycoll.shm.shared",
+    "shared_scratch": "pycoll.shm.shared",
+    "stats": "pycoll.observe.stragglers",
+    "PartialAllReduce": "pycoll.partial",        # eager-SGD partial all-reduce; also pycoll.partial.*
+}
 
-def _register() -> None:
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pycoll' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+_installed = False
+
+
+def _install() -> None:
+    """What a pycoll group needs from torch: two torch functions wrapped so that they reach a
+    Python process group, and Dynamo told not to trace the group's code. Done when the first
+    group is created: none of it matters before one exists."""
+    global _installed
+    if _installed:
+        return
+    from pycoll.c10d.backend import ProcessGroupPycoll
+    from pycoll.core.work import Work
+
     torch_compat.install()
     torch_compat.skip_dynamo(ProcessGroupPycoll, Work)
+    _installed = True
+
+
+def create(store, rank: int, size: int, timeout):
+    """The creator torch.distributed calls for backend="pycoll"."""
+    _install()
+    from pycoll.c10d.backend import create as make
+
+    return make(store, rank, size, timeout)
+
+
+def _register() -> None:
     if BACKEND_NAME.upper() not in torch_compat.registered_backends():
         # "cuda" only on a CUDA build of torch, decided without touching the driver (a CUDA
         # context made at import would break ranks forked from this process).

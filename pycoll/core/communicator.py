@@ -35,6 +35,10 @@ from pycoll.transport.tcp.p2p import P2PEngine
 
 log = logging.getLogger("pycoll")
 
+# How long a destroy waits for ops still running (queued async ones, or one a user thread
+# drives) before it returns and leaves their end to free the group.
+DESTROY_WAIT = 0.5
+
 Task = Callable[[int, float], None]  # fn(seq, deadline)
 ARRIVALS_WINDOW = max(1, settings.get("PYCOLL_STATS_WINDOW"))
 _grad_enabled, _set_grad_enabled = torch.is_grad_enabled, torch_compat.set_grad_enabled
@@ -79,6 +83,7 @@ class Communicator:
         self._waiting = 0
         self._closed = False
         self._shut = False
+        self._free_when_idle = False   # destroyed while an op ran: its end frees the group
         # What this rank runs now (op, seq, start), for snapshot(); every op's (seq, op,
         # start, end), for pycoll.stats (docs/observability.md).
         self.current: tuple[str, int, float] | None = None
@@ -151,13 +156,19 @@ class Communicator:
                 return
 
     def _release(self) -> None:
-        """The running op is done: let the next driver in."""
+        """The running op is done: let the next driver in (or, in a group destroyed while
+        it ran, free the group once nothing is left to run)."""
         with self._lock:
             self._running = False
+            free = self._free_when_idle and not self._queue
+            if free:
+                self._free_when_idle = False
             # Wake only a thread that waits for this one (a wake-up per op would cost the
             # synchronous path a context switch of the idle worker).
             if self._waiting or self._queue:
                 self._cv.notify_all()
+        if free:
+            self._free(abort=False)
 
     def _run(self, op: str, seq: int, timeout: float | None, task: Task) -> BaseException | None:
         """Run one op; returns its error (None: success) for the caller to complete its Work."""
@@ -186,6 +197,9 @@ class Communicator:
             # Arguments were validated before submission, so any failure here happened
             # mid-collective: peers may be waiting for frames that will never come. The
             # group is broken and the transports are aborted so that they fail fast too.
+            if self._closed and exc.args and isinstance(exc.args[0], str):
+                exc.args = (f"{exc.args[0]} (the process group was destroyed while this op "
+                            f"ran)",) + exc.args[1:]
             self.error = exc
             drop_locals(exc)   # kept by the group and its Work: it must not keep arena views
             self.transport.abort(str(exc))
@@ -251,12 +265,14 @@ class Communicator:
 
     # -- lifecycle -------------------------------------------------------------------
     def shutdown(self, abort: bool = False, reason: str = "aborted by the user") -> None:
-        """Finish queued and running ops (as gloo does; with ``abort``, fail them with
-        ``reason``), then release sockets and threads. Idempotent.
+        """Destroy the group: release sockets, shared memory and threads. Idempotent.
 
-        An op that another thread is running finishes first, within its own deadline; one
-        that still runs after that is failed with an error saying the group was destroyed
-        under it, instead of meeting released sockets and memory.
+        Queued and running ops finish as on gloo, and the destroy does not wait for them
+        beyond ``DESTROY_WAIT``: an op still running then (another thread's collective
+        waiting for a late peer) goes on within its own deadline, completing or failing
+        with a timeout that names the peer, and the thread that ends the last op releases
+        the group. With ``abort``, ops are failed with ``reason`` at once and released
+        with them.
         """
         with self._cv:
             if self._shut:
@@ -267,6 +283,18 @@ class Communicator:
         if abort:
             self._abort_transports(reason)
         limit = 5.0 if abort else self.timeout
+        if not abort:
+            if threading.current_thread() is not self._worker:
+                self._worker.join(DESTROY_WAIT)
+            self._wait_idle(DESTROY_WAIT)
+            with self._cv:
+                if self._running or self._queue:
+                    # An op still runs, waiting for a late peer: return now, as gloo's
+                    # destroy does. The ops go on within their own deadlines (each completes
+                    # if its peers come, or times out naming them), and whichever thread
+                    # ends the last one frees the group (_release).
+                    self._free_when_idle = True
+                    return
         if threading.current_thread() is not self._worker:
             self._worker.join(limit)
         if not self._wait_idle(limit):
@@ -274,6 +302,10 @@ class Communicator:
             what = f"{op[0]} seq {op[1]}" if op else "an operation"
             self._abort_transports(f"process group destroyed while {what} was running")
             self._wait_idle(5.0)
+        self._free(abort)
+
+    def _free(self, abort: bool) -> None:
+        """Release sockets, shared memory and threads: the group is gone."""
         if self.observers.closing is not None:
             try:
                 self.observers.closing(self, abort)

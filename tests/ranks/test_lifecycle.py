@@ -138,3 +138,66 @@ def test_sys_exit_with_async_ops_in_flight_exits_cleanly(tmp_path):
             if p.returncode != 0 or "terminate called" in err:
                 bad.append((p.returncode, err[-300:]))
     assert not bad, bad
+
+
+# -- destroy while another thread's collective waits for a late peer ------------------------
+def _destroy_under_a_waiting_op(rank, world, peer_comes):
+    """Rank 0 destroys its group while its other thread's all_reduce waits for rank 1, who
+    arrives only once that destroy has returned (or never): a destroy that waited for the op
+    would hang here."""
+    store = rank_store()
+    sub = dist.new_group([0, 1], timeout=timedelta(seconds=3))
+    t = torch.ones(4)
+    if rank == 1:
+        store.wait(["destroyed"])
+        if peer_comes:
+            dist.all_reduce(t, group=sub)
+        store.wait(["op ended"])
+        dist.destroy_process_group(sub)
+        return t.tolist()
+    out = {}
+
+    def op():
+        try:
+            dist.all_reduce(t, group=sub)
+            out["op"] = ("ok", t.tolist())
+        except Exception as exc:  # noqa: BLE001 - the error is the result
+            # torch's exception logger, describing the failed call, asks the destroyed group
+            # its size and raises its own ValueError: pycoll's error is then its context.
+            chain = [exc, exc.__context__] if exc.__context__ is not None else [exc]
+            out["op"] = (type(exc).__name__, " | ".join(str(e) for e in chain))
+
+    thread = threading.Thread(target=op)
+    thread.start()
+    while sub.communicator.current is None:    # the op has started: it waits for rank 1
+        time.sleep(0.001)
+    dist.destroy_process_group(sub)
+    store.set("destroyed", "1")
+    thread.join(60)
+    store.set("op ended", "1")
+    out["left"] = _arena_mappings()
+    return out
+
+
+def _arena_mappings() -> int:
+    """Arena mappings beyond the default group's one (the destroyed subgroup's must be gone)."""
+    with open("/proc/self/maps") as f:
+        return sum("memfd:pycoll-arena" in line for line in f)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_destroy_returns_while_another_threads_op_waits_and_the_op_completes(transport):
+    res = run_ranks(_destroy_under_a_waiting_op, 2, True, backend="pycoll", timeout=60,
+                    env={"PYCOLL_TRANSPORT": transport})
+    assert res[0]["op"] == ("ok", [2.0] * 4) and res[1] == [2.0] * 4, res
+    assert res[0]["left"] <= (1 if transport == "shm" else 0), res   # the default group's arena only
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_destroy_returns_and_the_op_of_a_peer_that_never_comes_times_out_naming_it(transport):
+    res = run_ranks(_destroy_under_a_waiting_op, 2, False, backend="pycoll", timeout=60,
+                    env={"PYCOLL_TRANSPORT": transport})
+    kind, text = res[0]["op"]
+    assert "rank 1" in text and ("timed out" in text or "Timed out" in text), res
+    assert "the process group was destroyed while this op ran" in text, res
+    assert res[0]["left"] <= (1 if transport == "shm" else 0), res

@@ -85,17 +85,17 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
         return self._dispatch(plan, plans.allreduce, opts, (tensors,))
 
     def allreduce_coalesced(self, tensors, opts=None):
-        return self._call(plans.allreduce_coalesced, opts or dist.AllreduceCoalescedOptions(), tensors)
+        return self._call(plans.allreduce_coalesced, opts, tensors)
 
     def reduce(self, tensors, opts=None):
-        return self._call(plans.reduce, opts or dist.ReduceOptions(), tensors)
+        return self._call(plans.reduce, opts, tensors)
 
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
-        return self._call(plans.reduce_scatter, opts or dist.ReduceScatterOptions(), output_tensors,
+        return self._call(plans.reduce_scatter, opts, output_tensors,
                           input_tensors)
 
     def reduce_scatter_single(self, output, input, opts=None):
-        return self._call(plans.reduce_scatter_single, opts or dist.ReduceScatterOptions(), output, input)
+        return self._call(plans.reduce_scatter_single, opts, output, input)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -105,7 +105,7 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def broadcast(self, tensors, opts=None):
-        return self._call(plans.broadcast, opts or dist.BroadcastOptions(), tensors)
+        return self._call(plans.broadcast, opts, tensors)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         return self._call(plans.allgather, opts, output_tensors, input_tensors)
@@ -124,10 +124,10 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
         return self._call(plans.allgather_coalesced, opts, output_lists, input_list)
 
     def gather(self, output_tensors, input_tensors, opts=None):
-        return self._call(plans.gather, opts or dist.GatherOptions(), output_tensors, input_tensors)
+        return self._call(plans.gather, opts, output_tensors, input_tensors)
 
     def scatter(self, output_tensors, input_tensors, opts=None):
-        return self._call(plans.scatter, opts or dist.ScatterOptions(), output_tensors, input_tensors)
+        return self._call(plans.scatter, opts, output_tensors, input_tensors)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
         return self._call(plans.alltoall, opts, output_tensors, input_tensors)
@@ -186,7 +186,10 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
 
     # -- running a plan ----------------------------------------------------------------------
     def _call(self, builder, opts, *args) -> Work:
-        """Plan the call, then run it where its tensors live."""
+        """Plan the call, then run it where its tensors live (a call without options gets
+        torch's defaults for it: ``plans.OPTIONS``)."""
+        if opts is None and builder in plans.OPTIONS:
+            opts = plans.OPTIONS[builder]()
         plan = builder(self._rank, self._size, *args) if opts is None else \
             builder(self._rank, self._size, *args, opts)
         return self._dispatch(plan, builder, opts, args)

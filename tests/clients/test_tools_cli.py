@@ -185,6 +185,20 @@ def test_bench_ddp_prints_its_tables_and_the_per_round_ratios(tmp_path):
     assert saved["opts"]["sweep_models"] == ["convnet"] and saved["speed"]["per_round"]
 
 
+@pytest.mark.timeout(120)
+def test_plot_load_reads_the_ratios_of_a_real_bench_run(tmp_path):
+    """tools/plot_load.py's ratios come from the bench's own JSON (gloo time / pycoll time)."""
+    out = tmp_path / "run.json"
+    _pycoll("bench", "-c", "all_reduce", "-b", "8", "-e", "1K", "-f", "128", "--iters", "3", "--warmup", "1",
+            "--mpi", "off", "--ref-seconds", "0", "--no-progress", "--load", "1", "--json", str(out), timeout=100)
+    from tools.plot_load import ratios
+
+    label, sizes, r = ratios(str(out), "all_reduce")
+    rows = json.loads(out.read_text())["collectives"]["all_reduce"]["rows"]
+    assert label.startswith("1 busy process") and sizes == [8, 1024] and len(r) == 2
+    assert r[0] == rows[0]["results"]["gloo"]["time_us"] / rows[0]["results"]["pycoll"]["time_us"]
+
+
 @pytest.mark.timeout(150)
 def test_bench_ddp_loader_mode_under_load(tmp_path):
     """DataLoader workers feeding each rank, one busy process beside: the floor configuration

@@ -37,9 +37,10 @@ import numpy as np
 import torch
 
 from pycoll import settings
-from pycoll.errors import CommTimeoutError, MismatchError, PeerClosedError
+from pycoll.errors import MismatchError, PeerClosedError
 from pycoll.transport import spin as spinning
 from pycoll.transport import waits
+from pycoll.transport.base import death_error, timeout_error
 from pycoll.shm import futex, segment
 
 LINE = 512                  # bytes of control per rank
@@ -240,18 +241,15 @@ class ShmArena:
                 now = time.monotonic()
                 left = deadline - now
                 if left <= 0:
-                    raise CommTimeoutError(f"{what}: rank {self.ranks[self.me]} timed out waiting for "
-                                           f"rank {self.ranks[r]} in shared memory (it is at sync "
-                                           f"{v}, this rank at {target})",
-                                           rank=self.ranks[self.me], peer=self.ranks[r])
+                    raise timeout_error(what, self.ranks[self.me], self.ranks[r], " in shared memory",
+                                        [f"it is at sync {v}, this rank at {target}"])
                 if not slept:
                     ctrl[me_word + SLEEP] = slept = 1
                 futex.wait(self._base + word * 4, v, min(left, WAIT_SLICE, waits.due(now)))
                 if ctrl[word] == v:
                     pid = self.pids[r] or ctrl[word + 2]
                     if pid and not futex.alive(pid):
-                        raise PeerClosedError(f"{what}: rank {self.ranks[r]} (pid {pid}) died",
-                                              rank=self.ranks[self.me], peer=self.ranks[r])
+                        raise death_error(what, self.ranks[self.me], self.ranks[r], f"(pid {pid}) died")
         if slept:
             ctrl[me_word + SLEEP] = 0
             spins.unanswered()

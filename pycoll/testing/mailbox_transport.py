@@ -34,7 +34,7 @@ from typing import Sequence
 
 from pycoll.errors import CommError, CommTimeoutError, PeerClosedError
 from pycoll.transport import waits
-from pycoll.transport.base import InFrame, OutFrame, Transport, control_error
+from pycoll.transport.base import InFrame, OutFrame, Transport, control_error, death_error, timeout_error
 from pycoll.shm import futex
 from pycoll.shm.arena import ShmArena
 from pycoll.testing.mailbox import (
@@ -199,11 +199,9 @@ class ShmTransport(Transport):
         return control_error(hdr, reason, self._rank_of(self.rank), self._rank_of(peer), what)
 
     def _died(self, peer: int, what: str, pid: str) -> PeerClosedError:
-        exc = PeerClosedError(f"{what}: rank {self._rank_of(peer)}{pid} died (killed or crashed); rank "
-                              f"{self._rank_of(self.rank)} saw it in a shared-memory exchange",
-                              rank=self._rank_of(self.rank), peer=self._rank_of(peer))
-        exc.origin = self._rank_of(peer)
-        return exc
+        return death_error(what, self._rank_of(self.rank), self._rank_of(peer),
+                           f"{pid.strip()} died (killed or crashed); rank {self._rank_of(self.rank)} saw "
+                           f"it in a shared-memory exchange".lstrip())
 
     def _timeout(self, sends: dict, recvs: dict, what: str) -> CommTimeoutError:
         parts = [f"received {st.done + (st.off if st.cur is not None else 0)} of {st.total} bytes from "
@@ -211,8 +209,7 @@ class ShmTransport(Transport):
         parts += [f"rank {self._rank_of(p)} has not yet taken {q.left()} of {q.total} bytes sent to it"
                   for p, q in sends.items()]
         peer = self._rank_of(next(iter(recvs), next(iter(sends), -1)))
-        return CommTimeoutError(f"{what}: rank {self._rank_of(self.rank)} timed out waiting for rank {peer} in "
-                                f"shared memory: " + "; ".join(parts), rank=self._rank_of(self.rank), peer=peer)
+        return timeout_error(what, self._rank_of(self.rank), peer, " in shared memory", parts)
 
     def _fail(self, exc: CommError) -> None:
         if self._failure is None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from pycoll import errors
-from pycoll.errors import CommError, MismatchError, PeerClosedError, ProtocolError
+from pycoll.errors import CommError, CommTimeoutError, MismatchError, PeerClosedError, ProtocolError
 from pycoll.wire import ABORT, BYE, DATA, Header
 
 
@@ -34,6 +34,22 @@ class InFrame:
 
 _RELAYED = {c.__name__: c for c in (errors.CommTimeoutError, errors.PeerClosedError,
                                      errors.MismatchError, errors.ProtocolError, errors.CommError)}
+
+
+def timeout_error(what: str, rank: int, peer: int, where: str, progress: Sequence[str]) -> CommTimeoutError:
+    """A wait that passed its deadline, in the same words on every transport (shared memory,
+    TCP, the test transports): ``{what}: rank R timed out waiting for rank P{where}: {progress}``.
+    Ranks are group ranks; ``progress`` says how far each transfer got."""
+    text = f"{what}: rank {rank} timed out waiting for rank {peer}{where}"
+    return CommTimeoutError(text + (": " + "; ".join(progress) if progress else ""), rank=rank, peer=peer)
+
+
+def death_error(what: str, rank: int, peer: int, how: str) -> PeerClosedError:
+    """A peer that died or vanished, as every transport reports it: ``{what}: rank P {how}``,
+    with P as the failure's origin (what a rank relays when it aborts the others)."""
+    exc = PeerClosedError(f"{what}: rank {peer} {how}", rank=rank, peer=peer)
+    exc.origin = peer
+    return exc
 
 
 def control_error(got: Header, payload: bytes, rank: int, peer: int, what: str,

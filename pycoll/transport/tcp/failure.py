@@ -36,7 +36,7 @@ from pycoll.errors import (
     ProtocolError,
 )
 from pycoll.transport import spin
-from pycoll.transport.base import control_error
+from pycoll.transport.base import control_error, death_error, timeout_error
 from pycoll.transport.frames import control_reason, frames, garbage, next_frame
 from pycoll.transport.tcp.conn import READ_AHEAD, Conn, RecvState, SendState
 from pycoll.wire import (
@@ -161,11 +161,9 @@ class FailureHandling:
         if st is not None and st.total:
             where = (f" (it had sent {st.done + (st.off if st.cur is not None else 0)} of "
                      f"{st.total} bytes of this step)")
-        exc = PeerClosedError(f"{what}: rank {self._rank_of(peer)} closed its connection to rank {self._rank_of(self.rank)} "
-                              f"without a goodbye: rank {self._rank_of(peer)} died (killed or crashed) or lost "
-                              f"its network{where}", rank=self._rank_of(self.rank), peer=self._rank_of(peer))
-        exc.origin = self._rank_of(peer)
-        return exc
+        me, them = self._rank_of(self.rank), self._rank_of(peer)
+        return death_error(what, me, them, f"closed its connection to rank {me} without a goodbye: rank "
+                                           f"{them} died (killed or crashed) or lost its network{where}")
 
     def _reset_error(self, peer: int, what: str, err: OSError) -> PeerClosedError:
         exc = PeerClosedError(f"{what}: the connection from rank {self._rank_of(self.rank)} to rank "
@@ -190,8 +188,7 @@ class FailureHandling:
             parts.append(f"rank {self._rank_of(peer)} has not yet accepted {q.left()} of "
                          f"{sum(len(b) for b in q.bufs)} bytes sent to it")
         peer = next(iter(recvs), next(iter(sends), -1))
-        return CommTimeoutError(f"{what}: rank {self._rank_of(self.rank)} timed out waiting for rank {self._rank_of(peer)}: "
-                                + "; ".join(parts), rank=self._rank_of(self.rank), peer=self._rank_of(peer))
+        return timeout_error(what, self._rank_of(self.rank), self._rank_of(peer), "", parts)
 
     # -- lifecycle ---------------------------------------------------------------------
     def abort(self, reason: str) -> None:

@@ -35,6 +35,15 @@ from pycoll.transport.tcp.p2p import P2PEngine
 
 log = logging.getLogger("pycoll")
 
+# A group's lifecycle, every transition in this table (``Communicator._move``):
+#   open      takes ops;
+#   closing   destroy called: takes no op, waits briefly for the running ones;
+#   draining  destroy returned while ops still run (a late peer): the end of the last frees it;
+#   freed     sockets, shared memory and threads released.
+# A failed group (``error`` set) stays open until destroyed: its ops fail at once.
+OPEN, CLOSING, DRAINING, FREED = "open", "closing", "draining", "freed"
+LIFECYCLE = {OPEN: {CLOSING}, CLOSING: {DRAINING, FREED}, DRAINING: {FREED}, FREED: set()}
+
 # How long a destroy waits for ops still running (queued async ones, or one a user thread
 # drives) before it returns and leaves their end to free the group.
 DESTROY_WAIT = 0.5
@@ -81,9 +90,7 @@ class Communicator:
         self._cv = threading.Condition(self._lock)
         self._running = False
         self._waiting = 0
-        self._closed = False
-        self._shut = False
-        self._free_when_idle = False   # destroyed while an op ran: its end frees the group
+        self.state = OPEN
         # What this rank runs now (op, seq, start), for snapshot(); every op's (seq, op,
         # start, end), for pycoll.stats (docs/observability.md).
         self.current: tuple[str, int, float] | None = None
@@ -99,7 +106,7 @@ class Communicator:
                timeout: float | None = None) -> Work:
         """Queue ``task``; ``timeout`` (seconds) overrides the group's for this op only."""
         with self._lock:
-            if self._closed:
+            if self.state is not OPEN:
                 raise PycollError(f"{op}: process group has been destroyed")
             seq = self._seq
             self._seq += 1
@@ -160,9 +167,9 @@ class Communicator:
         it ran, free the group once nothing is left to run)."""
         with self._lock:
             self._running = False
-            free = self._free_when_idle and not self._queue
+            free = self.state is DRAINING and not self._queue
             if free:
-                self._free_when_idle = False
+                self._move(FREED)
             # Wake only a thread that waits for this one (a wake-up per op would cost the
             # synchronous path a context switch of the idle worker).
             if self._waiting or self._queue:
@@ -197,7 +204,7 @@ class Communicator:
             # Arguments were validated before submission, so any failure here happened
             # mid-collective: peers may be waiting for frames that will never come. The
             # group is broken and the transports are aborted so that they fail fast too.
-            if self._closed and exc.args and isinstance(exc.args[0], str):
+            if self.state is not OPEN and exc.args and isinstance(exc.args[0], str):
                 exc.args = (f"{exc.args[0]} (the process group was destroyed while this op "
                             f"ran)",) + exc.args[1:]
             self.error = exc
@@ -235,9 +242,9 @@ class Communicator:
         spin.run_in_background()
         while True:
             with self._cv:
-                while not self._queue and not self._closed:
+                while not self._queue and self.state is OPEN:
                     self._cv.wait()
-                if self._closed and not self._queue:
+                if self.state is not OPEN and not self._queue:
                     return
             self._drive(None)
 
@@ -257,7 +264,7 @@ class Communicator:
         is queued, each executor's schedule step and the TCP progress of it (``live``), the
         shared-memory barrier state, the point-to-point requests still pending."""
         execs = [ex for ex in (self.executor, self.leader_executor) if ex is not None]
-        return {"rank": self.rank, "world": self.world, "mode": self.mode, "closed": self._closed,
+        return {"rank": self.rank, "world": self.world, "mode": self.mode, "closed": self.state is not OPEN, "state": self.state,
                 "current": self.current, "queued": len(self._queue),
                 "schedules": [p for p in (ex.progress(live) for ex in execs) if p is not None],
                 "shm": self.arena.progress() if self.arena is not None else None,
@@ -275,9 +282,9 @@ class Communicator:
         with them.
         """
         with self._cv:
-            if self._shut:
+            if self.state is not OPEN:
                 return
-            self._shut = self._closed = True
+            self._move(CLOSING)
             self._cv.notify_all()
         _LIVE.discard(self)
         if abort:
@@ -293,7 +300,7 @@ class Communicator:
                     # destroy does. The ops go on within their own deadlines (each completes
                     # if its peers come, or times out naming them), and whichever thread
                     # ends the last one frees the group (_release).
-                    self._free_when_idle = True
+                    self._move(DRAINING)
                     return
         if threading.current_thread() is not self._worker:
             self._worker.join(limit)
@@ -302,7 +309,15 @@ class Communicator:
             what = f"{op[0]} seq {op[1]}" if op else "an operation"
             self._abort_transports(f"process group destroyed while {what} was running")
             self._wait_idle(5.0)
+        with self._cv:
+            self._move(FREED)
         self._free(abort)
+
+    def _move(self, to: str) -> None:
+        """The one way the group's state changes (under ``_lock``): only along ``LIFECYCLE``."""
+        if to not in LIFECYCLE[self.state]:
+            raise AssertionError(f"pycoll rank {self.rank}: group state {self.state} -> {to} is no transition")
+        self.state = to
 
     def _free(self, abort: bool) -> None:
         """Release sockets, shared memory and threads: the group is gone."""

@@ -208,7 +208,11 @@ class Communicator:
                 exc.args = (f"{exc.args[0]} (the process group was destroyed while this op "
                             f"ran)",) + exc.args[1:]
             self.error = exc
-            drop_locals(exc)   # kept by the group and its Work: it must not keep arena views
+            # Kept by the group and its Work, the error must not keep the op's memory alive
+            # (arena views, the caller's tensors): its traceback starts below this frame,
+            # which still runs, and the finished frames under it lose their locals.
+            exc.__traceback__ = exc.__traceback__.tb_next if exc.__traceback__ is not None else None
+            drop_locals(exc)
             self.transport.abort(str(exc))
             if self.arena is not None:
                 self.arena.abort(root_cause(exc))

@@ -29,7 +29,7 @@ from pycoll import settings
 from pycoll.core.observer import Observer
 from pycoll.shm.rounds import words_nbytes
 from pycoll.transport.base import InFrame, OutFrame, Transport
-from pycoll.wire import decode_header, header_length
+from pycoll.transport.frames import encoded_header
 
 ENV = "PYCOLL_FAULT"
 CORRUPT_KINDS = ("garbage", "huge", "truncate")
@@ -215,5 +215,5 @@ def _corrupt(frame: OutFrame, kind: str) -> OutFrame:
         cut = (len(hdr) + len(frame.payload)) // 2
         whole = hdr + bytes(frame.payload)
         return OutFrame(frame.peer, whole[:cut], memoryview(b""))
-    h = decode_header(memoryview(hdr)[4:4 + header_length(hdr[:4])])
+    h = encoded_header(hdr)
     return OutFrame(frame.peer, replace(h, nbytes=HUGE).encode(), frame.payload)

@@ -47,6 +47,15 @@ def header_at(buf, pos: int, end: int) -> Parsed | None:
     return Parsed(hdr, start, start + size)
 
 
+def encoded_header(encoded) -> Header:
+    """The Header of a frame header as it goes on the wire (length prefix included): what an
+    outgoing frame says, read back. Raises ProtocolError if it is not one."""
+    parsed = header_at(encoded, 0, len(encoded))
+    if parsed is None:
+        raise ProtocolError(f"{len(encoded)} bytes are not a whole frame header")
+    return parsed.header
+
+
 def control_reason(buf, parsed: Parsed, end: int, eof: bool) -> bytes | None:
     """A control frame's payload once all of it is in ``buf[:end]`` (or, at end of stream,
     what did arrive); None while more may come."""

@@ -68,3 +68,14 @@ def test_a_signature_packs_into_shared_memory_words_and_back():
         assert len(words) == 7 and words[6] == 5 and wire.unpack(words) == sig
     assert wire.unpack((99, 0, 0, 0, 0, -1, 0)) is None
     assert wire.nbytes(SIG) == 16
+
+
+def test_encoded_header_reads_back_what_a_frame_header_says():
+    from pycoll.errors import ProtocolError
+    from pycoll.transport.frames import encoded_header
+    from pycoll.wire import DATA, Header, Signature
+
+    hdr = Header(DATA, Signature("all_reduce", 3, "float32", 10, "sum"), 1, 0, 40)
+    assert encoded_header(hdr.encode()) == hdr
+    with pytest.raises(ProtocolError, match="not a whole frame header"):
+        encoded_header(hdr.encode()[:-1])

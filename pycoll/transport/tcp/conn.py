@@ -70,15 +70,20 @@ class RecvState:
 class SendState:
     """The buffers (headers and payloads) a step sends to one peer, and how far it got."""
 
-    __slots__ = ("bufs", "hdr", "i", "off")
+    __slots__ = ("bufs", "hdr", "i", "off", "sending")
 
     def __init__(self) -> None:
         self.bufs: list = []
         self.hdr: list[bool] = []        # bufs[j] is a frame header
         self.i = self.off = 0
+        # Set from a send until its bytes are counted: still set after an exception means
+        # one came between the two (KeyboardInterrupt), and where the stream stands is unknown.
+        self.sending = False
 
     def partial(self) -> int:
-        """Bytes left of a frame that is half sent (0 at a frame boundary)."""
+        """Bytes left of a frame that is half sent (0 at a frame boundary; -1: unknown)."""
+        if self.sending:
+            return -1
         i, off = self.i, self.off
         if i >= len(self.bufs) or (off == 0 and self.hdr[i]):
             return 0

@@ -241,7 +241,7 @@ class FailureHandling:
             if conn.eof or conn.bye:
                 continue
             pad = self._shared.partial.get(conn, 0)
-            if pad > MAX_PAD:
+            if pad > MAX_PAD or pad < 0:   # (-1: interrupted mid-send, the stream's place unknown)
                 continue
             out[peer] = [memoryview(bytes(pad)), memoryview(frame)] if pad else [memoryview(frame)]
         deadline = time.monotonic() + ABORT_GRACE

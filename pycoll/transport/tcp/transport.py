@@ -41,7 +41,7 @@ from pycoll.transport.base import (
     check_header,
     control_error,
 )
-from pycoll.transport.frames import control_reason, next_frame
+from pycoll.transport.frames import control_reason, encoded_header, next_frame
 from pycoll.transport.tcp.conn import IOV_BATCH, READ_AHEAD, Conn, RecvState, SendState
 from pycoll.transport.tcp.failure import (
     ABORT_GRACE,
@@ -55,8 +55,6 @@ from pycoll.wire import (
     ABORT,
     BYE,
     DATA,
-    decode_header,
-    header_length,
 )
 
 __all__ = ["TcpTransport", "Conn", "READ_AHEAD", "IOV_BATCH", "DEAD_PEER_GRACE", "ABORT_GRACE", "MAX_PAD"]
@@ -170,8 +168,7 @@ class TcpTransport(FailureHandling, Transport):
             self._cur = ins[0].expect.sig
         elif outs:
             try:
-                hdr = bytes(outs[0].header)
-                self._cur = decode_header(memoryview(hdr)[4:4 + header_length(hdr[:4])]).sig
+                self._cur = encoded_header(bytes(outs[0].header)).sig
             except (ProtocolError, ValueError):  # a damaged frame (fault injection)
                 self._cur = None
         peeked: set[int] = set()
@@ -232,9 +229,11 @@ class TcpTransport(FailureHandling, Transport):
         q = sends[peer]
         bufs, i, off = q.bufs, q.i, q.off
         iov = [bufs[i][off:] if off else bufs[i]] + bufs[i + 1:i + IOV_BATCH]
+        q.sending = True
         try:
             n = self.conns[peer].sock.sendmsg(iov)
         except BlockingIOError:
+            q.sending = False
             return False
         sent = n
         while n > 0:
@@ -246,6 +245,7 @@ class TcpTransport(FailureHandling, Transport):
                 off += n
                 n = 0
         q.i, q.off = i, off
+        q.sending = False
         if i == len(bufs):
             del sends[peer]
         return sent > 0

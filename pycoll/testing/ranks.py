@@ -25,7 +25,9 @@ import time
 import traceback
 from datetime import timedelta
 
-STORE_ENV = "PYCOLL_TEST_STORE"
+# The launcher's channel to its ranks, not a setting (the leading underscore keeps it out of
+# the PYCOLL_* settings table): the address of the run's Store.
+STORE_ENV = "_PYCOLL_RANK_STORE"
 
 
 class RankFailure(AssertionError):
@@ -87,21 +89,31 @@ def _worker_main(conn) -> None:
             os.environ.pop(STORE_ENV, None)
 
 
-def pycoll_memory() -> list[str]:
-    """This process's mappings and descriptors of pycoll's shared memory (memfd segments,
-    named ``pycoll-*``): what a destroyed group must not leave. The memfd has no name in
+def memfd_maps(name: str = "pycoll-") -> list[str]:
+    """The lines of /proc/self/maps that map a memfd whose name starts with ``name``
+    (``pycoll-arena``, ``pycoll-heap``...): one per mapping. The memfd has no name in
     /dev/shm to look for; the kernel shows it here as ``/memfd:pycoll-... (deleted)``."""
-    found = []
     with open("/proc/self/maps") as f:
-        found += sorted({line.split(None, 5)[-1].strip() for line in f if "memfd:pycoll-" in line})
+        return [line for line in f if f"memfd:{name}" in line]
+
+
+def memfd_fds(name: str = "pycoll-") -> list[str]:
+    """This process's descriptors of such memfds, as ``fd N -> /memfd:...``."""
+    found = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue   # the descriptor listdir itself used
-        if "memfd:pycoll-" in target:
+        if f"memfd:{name}" in target:
             found.append(f"fd {fd} -> {target}")
     return found
+
+
+def pycoll_memory() -> list[str]:
+    """This process's mappings (each segment once) and descriptors of pycoll's shared memory:
+    what a destroyed group must not leave."""
+    return sorted({line.split(None, 5)[-1].strip() for line in memfd_maps()}) + memfd_fds()
 
 
 def forkserver():

@@ -24,11 +24,11 @@ import torch.distributed as dist
 from pycoll.errors import CommError
 from pycoll.testing.mailbox_transport import ShmTransport
 from pycoll.testing.memory import MemoryHub
+from pycoll.testing.ranks import memfd_maps
 from pycoll.transport.base import InFrame, OutFrame, Transport
 from pycoll.transport.tcp.mesh import build_mesh
 from pycoll.transport.tcp.transport import TcpTransport
 from pycoll.wire import DATA, Header, Signature
-
 
 SIG = Signature("all_reduce", 7, "uint8", 0, "sum")
 PROMPT = 2.0      # seconds within which a failure must reach a peer (2 busy cores: generous)
@@ -100,8 +100,7 @@ def no_leaks():
     """Fail if the block leaves threads, descriptors or arena mappings behind."""
     def state():
         gc.collect()
-        with open("/proc/self/maps") as f:
-            maps = sum("pycoll-arena" in line for line in f)
+        maps = len(memfd_maps("pycoll-arena"))
         fds = set()
         for fd in os.listdir("/proc/self/fd"):
             try:

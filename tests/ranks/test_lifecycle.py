@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pycoll.testing.ranks import rank_store, run_ranks
+from pycoll.testing.ranks import memfd_maps, rank_store, run_ranks
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,8 +181,7 @@ def _destroy_under_a_waiting_op(rank, world, peer_comes):
 
 def _arena_mappings() -> int:
     """Arena mappings beyond the default group's one (the destroyed subgroup's must be gone)."""
-    with open("/proc/self/maps") as f:
-        return sum("memfd:pycoll-arena" in line for line in f)
+    return len(memfd_maps("pycoll-arena"))
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
@@ -233,16 +232,11 @@ def _interrupted_generations(rank, world, generations):
             store.add(f"generation {g}", 1)          # both ranks done with it before the next
             while store.add(f"generation {g}", 0) < world:
                 time.sleep(0.01)
-            rss.append(_rss_mib())
+            rss.append(_rss_mb())
             live.append(_malloc_live_mib())
     finally:
         signal.signal(signal.SIGINT, previous)
     return rss, live, errors
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _malloc_live_mib() -> float:

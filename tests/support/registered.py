@@ -4,10 +4,10 @@ counts of the heap's mappings and descriptors in this process.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
+
+from pycoll.testing.ranks import memfd_fds, memfd_maps
 
 
 def _inputs(rank: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
@@ -68,18 +68,11 @@ DTYPE_OPS = [
 
 
 def _heap_maps() -> int:
-    with open("/proc/self/maps") as f:
-        return sum("pycoll-heap" in line for line in f)
+    return len(memfd_maps("pycoll-heap"))
 
 
 def _heap_fds() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += "pycoll-heap" in os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
-    return n
+    return len(memfd_fds("pycoll-heap"))
 
 
 def _heap_rss() -> int:

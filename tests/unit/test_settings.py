@@ -4,6 +4,7 @@ refused with the variable's name."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -35,22 +36,50 @@ def test_the_readme_table_is_the_settings_table():
     assert not wrong, f"README default cell vs settings.py (cell, shown): {wrong}"
 
 
+def _environment_reads(tree: ast.AST) -> list[tuple[int, str | None]]:
+    """(line, variable name or None if not a constant) of every read of the environment:
+    ``os.environ.get(x)``, ``os.getenv(x)``, ``os.environ[x]`` not assigned to; ``x`` a
+    string or a module-level constant naming one."""
+    consts = {t.id: n.value.value for n in getattr(tree, "body", []) if isinstance(n, ast.Assign)
+              for t in n.targets if isinstance(t, ast.Name) and isinstance(n.value, ast.Constant)
+              and isinstance(n.value.value, str)}
+
+    def name_of(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return node.value
+        return consts.get(node.id) if isinstance(node, ast.Name) else None
+
+    def is_environ(node):
+        return isinstance(node, ast.Attribute) and node.attr == "environ"
+
+    stored = {id(t) for n in ast.walk(tree) if isinstance(n, (ast.Assign, ast.AugAssign))
+              for t in (n.targets if isinstance(n, ast.Assign) else [n.target])}
+    reads = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args and (
+                (node.func.attr == "get" and is_environ(node.func.value)) or node.func.attr == "getenv"):
+            reads.append((node.lineno, name_of(node.args[0])))
+        elif isinstance(node, ast.Subscript) and is_environ(node.value) and id(node) not in stored:
+            reads.append((node.lineno, name_of(node.slice)))
+    return reads
+
+
 def test_no_module_reads_a_pycoll_variable_around_the_table():
-    readers = re.compile(r"(?:environ\.get\(|getenv\(|environ\[)\s*[\"']PYCOLL_\w+[\"']\]?")
-
-    def reads(line: str) -> bool:   # os.environ["PYCOLL_X"] = v (a tool setting one) is no read
-        return any(not (m.group().endswith("]") and re.match(r"\s*=(?!=)", line[m.end():]))
-                   for m in readers.finditer(line))
-
     bad = []
     for top in ("pycoll", "ddp"):
         for path in (ROOT / top).rglob("*.py"):
             if path.name == "settings.py":
                 continue
-            for n, line in enumerate(path.read_text().splitlines(), 1):
-                if reads(line):
-                    bad.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()}")
-    assert not bad, "\n".join(bad)
+            for line, name in _environment_reads(ast.parse(path.read_text())):
+                if name is not None and name.startswith("PYCOLL_"):
+                    bad.append(f"{path.relative_to(ROOT)}:{line}: {name}")
+    assert not bad, "read PYCOLL_* settings through pycoll.settings.get:\n" + "\n".join(bad)
+
+
+def test_the_environment_check_sees_every_form_of_read():
+    tree = ast.parse("import os\nENV = 'PYCOLL_A'\nos.environ.get(ENV)\nos.getenv('PYCOLL_B')\n"
+                     "x = os.environ['PYCOLL_C']\nos.environ['PYCOLL_D'] = '1'\n")
+    assert sorted(n for _, n in _environment_reads(tree)) == ["PYCOLL_A", "PYCOLL_B", "PYCOLL_C"]
 
 
 def test_every_name_the_code_asks_for_is_declared():

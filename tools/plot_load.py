@@ -19,8 +19,8 @@ def ratios(path: str, collective: str) -> tuple[str, list[int], list[float]]:
     doc = json.load(open(path))
     rows = doc["collectives"][collective]["rows"]
     sizes = [r["size"] for r in rows]
-    return (doc["meta"].get("load_text", path), sizes,
-            [r["results"]["gloo"]["time_us"] / r["results"]["pycoll"]["time_us"] for r in rows])
+    # the bench's own ratio against its base backend: gloo time / pycoll time
+    return doc["meta"].get("load_text", path), sizes, [r["speed_ratio"]["pycoll/gloo"] for r in rows]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,10 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("-c", "--collective", default="all_reduce")
     p.add_argument("-o", "--out", default="bench_load.png")
     a = p.parse_args(argv)
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from pycoll.cli.bench.report import require_matplotlib
 
+    plt = require_matplotlib()
     fig, ax = plt.subplots(figsize=(7, 4))
     for path in a.runs:
         label, sizes, r = ratios(path, a.collective)

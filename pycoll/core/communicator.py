@@ -268,8 +268,8 @@ class Communicator:
         is queued, each executor's schedule step and the TCP progress of it (``live``), the
         shared-memory barrier state, the point-to-point requests still pending."""
         execs = [ex for ex in (self.executor, self.leader_executor) if ex is not None]
-        return {"rank": self.rank, "world": self.world, "mode": self.mode, "closed": self.state is not OPEN, "state": self.state,
-                "current": self.current, "queued": len(self._queue),
+        return {"rank": self.rank, "world": self.world, "mode": self.mode, "state": self.state,
+                "closed": self.state is not OPEN, "current": self.current, "queued": len(self._queue),
                 "schedules": [p for p in (ex.progress(live) for ex in execs) if p is not None],
                 "shm": self.arena.progress() if self.arena is not None else None,
                 "p2p": self.p2p.pending()}

@@ -196,7 +196,7 @@ def test_plot_load_reads_the_ratios_of_a_real_bench_run(tmp_path):
     label, sizes, r = ratios(str(out), "all_reduce")
     rows = json.loads(out.read_text())["collectives"]["all_reduce"]["rows"]
     assert label.startswith("1 busy process") and sizes == [8, 1024] and len(r) == 2
-    assert r[0] == rows[0]["results"]["gloo"]["time_us"] / rows[0]["results"]["pycoll"]["time_us"]
+    assert r[0] == pytest.approx(rows[0]["results"]["gloo"]["time_us"] / rows[0]["results"]["pycoll"]["time_us"])
 
 
 @pytest.mark.timeout(150)

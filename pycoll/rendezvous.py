@@ -2,8 +2,8 @@
 
 The Store handed to the backend is the only side channel: no private server, no files.
 Keys live under the group's prefix store, so groups and jobs cannot collide, and under a
-generation prefix (``generation_store``), so that a restart or a re-init on the same store
-never reads the keys of an earlier attempt.
+generation prefix (``generation_store``: rank 0 opens it, the others join, rank 0 seals it),
+so that a restart or a re-init on the same store never reads the keys of an earlier attempt.
 """
 
 from __future__ import annotations
@@ -23,20 +23,93 @@ from pycoll import settings
 log = logging.getLogger("pycoll")
 
 
-def generation_store(store, rank: int):
+def generation_store(store, rank: int, size: int):
     """``store`` under a prefix of its own for this group's generation.
 
-    torchrun keeps its store across elastic restarts, and a job may destroy and re-create
-    a group on one store: a rank reading the previous generation's keys would dial dead
-    addresses or map an unlinked segment. The generation is torchrun's restart count and
-    a counter of this rank's inits on this store (every rank creates its groups in the
-    same order, so the ranks' counters agree).
+    A store outlives the processes that use it: torchrun's agent keeps one TCPStore across
+    elastic restarts, and a job may destroy and re-create a group on one store. A rank
+    reading an earlier generation's keys would dial dead addresses or wait for keys nobody
+    writes. Nothing a worker is told names its attempt on every node alike (a node whose
+    agent restarts its worker because another node left keeps its restart count), so the
+    ranks agree on the generation through the store: rank 0 opens a fresh one, every other
+    rank joins the one open, and rank 0 seals it once all have joined. A rank that finds
+    the current generation sealed (complete, or an earlier attempt's) waits for the next;
+    one whose leader died before sealing moves to the next as soon as it is opened.
     """
     import torch.distributed as dist
 
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    gen = store.add(f"pycoll/{restart}/inits/{rank}", 1)
-    return dist.PrefixStore(f"pycoll/{restart}.{gen}/", store)
+    deadline = time.monotonic() + store.timeout.total_seconds()
+    if rank == 0:
+        gen = store.add("pycoll/generations", 1)
+        store.set("pycoll/current", str(gen))
+        store.set(f"pycoll/g{gen}/leader", str(os.getpid()))    # after: a joiner woken by it reads gen
+        for peer in range(1, size):
+            _wait_key(store, f"pycoll/g{gen}/joined/{peer}", deadline,
+                      f"rank 0 waited for rank {peer} to join generation {gen} of the "
+                      f"group (pycoll init, store key pycoll/g{gen}/joined/{peer})")
+        store.set(f"pycoll/g{gen}/sealed", "1")
+    else:
+        gen = _join(store, rank, deadline)
+    return dist.PrefixStore(f"pycoll/g{gen}/", store)
+
+
+def _join(store, rank: int, deadline: float) -> int:
+    """Join the generation rank 0 has open; its number."""
+    while True:
+        gen = int(_read(store, "pycoll/current") or 0)
+        if gen and not store.check([f"pycoll/g{gen}/sealed"]):
+            if store.add(f"pycoll/g{gen}/joined/{rank}", 1) > 1:
+                raise RuntimeError(
+                    f"pycoll init: two processes joined generation {gen} of this group as rank "
+                    f"{rank}: ranks of different attempts (or a duplicated RANK) share one store")
+            while not _wait_for(store, f"pycoll/g{gen}/sealed", JOIN_SLICE_S):
+                if store.check([f"pycoll/g{gen + 1}/leader"]):
+                    break                   # our leader died unsealed; a newer one is open
+                _check_deadline(deadline, rank, gen)
+            else:
+                return gen
+            continue
+        # None open, or only a sealed one (complete, or an earlier attempt's): the next.
+        _wait_for(store, f"pycoll/g{gen + 1}/leader", JOIN_SLICE_S)
+        _check_deadline(deadline, rank, gen)
+
+
+JOIN_SLICE_S = 0.1
+
+
+def _check_deadline(deadline: float, rank: int, gen: int) -> None:
+    if time.monotonic() > deadline:
+        raise TimeoutError(
+            f"pycoll init: rank {rank} waited for rank 0 of this group to open a generation "
+            f"(last seen: {gen or 'none'}; store key pycoll/current): is rank 0 alive and in "
+            f"init_process_group on the same store?")
+
+
+def _wait_for(store, key: str, seconds: float) -> bool:
+    """Whether ``key`` appeared within ``seconds``; asks the watch (a shrink's) as it waits."""
+    from datetime import timedelta
+
+    slice_s = check_watch()
+    if slice_s is not None:
+        seconds = min(seconds, slice_s)
+    try:
+        store.wait([key], timedelta(seconds=seconds))
+        return True
+    except Exception as exc:  # noqa: BLE001 - torch's store errors have no common type
+        if "timeout" not in str(exc).lower():
+            raise
+        return False
+
+
+def _read(store, key: str) -> str | None:
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def _wait_key(store, key: str, deadline: float, what: str) -> None:
+    while not _wait_for(store, key, max(0.001, min(1.0, deadline - time.monotonic()))):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pycoll init: {what}: is that rank alive and in "
+                               f"init_process_group on the same store?")
 
 
 def group_secret(store, rank: int) -> bytes:

@@ -32,7 +32,7 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
         self._rank, self._size = rank, size
         self._timeout = timeout
         # This generation's keys only; CUDA calls and splits exchange their set-up through it.
-        self._store = store = rendezvous.generation_store(store, rank)
+        self._store = store = rendezvous.generation_store(store, rank, size)
         self._comm = Communicator(store, rank, size, timeout.total_seconds(), observers=observe.for_group(rank))
         self._cuda = None              # the CUDA channel, made at the first call with CUDA tensors
         self._monitored_calls = 0

@@ -1,20 +1,15 @@
 """torch's own clients on pycoll, as users run them, compared with gloo where gloo runs them.
 
 torch's per-device backend lookups (DCP async save, the full-state-dict broadcast into
-FSDP2, ``_set_pg_timeout``), ``torch.compile(DDP(model))``, torchrun's elastic restart,
-re-initialisation on one store, sparse all-reduce (also under DDP), torch's timeout
-wording and monitored barriers with their own timeouts. Callbacks and peer death under DDP
-are in test_callbacks.py.
+FSDP2, ``_set_pg_timeout``), ``torch.compile(DDP(model))``, sparse all-reduce (also under
+DDP), torch's timeout wording and monitored barriers with their own timeouts. Callbacks and
+peer death under DDP are in test_callbacks.py; torchrun's restarts and re-inits on one store
+in test_elastic.py.
 """
 
 from __future__ import annotations
 
-import os
 import re
-import socket
-import subprocess
-import sys
-import textwrap
 import time
 from datetime import timedelta
 
@@ -252,72 +247,3 @@ def test_monitored_barrier_honours_the_timeout_it_is_given():
     text, seconds = out[0.0]   # (the group's timeout is 60 s: a bound far below it is the test)
     assert "Rank 0 timed out in monitoredBarrier" in text and seconds < 20, out
     assert "Rank 0 timed out in monitoredBarrier" in out["method"], out
-
-
-# -- re-initialisation and torchrun restarts ---------------------------------------------------
-def _reinit_on_one_store(rank, world):
-    store = rank_store()
-    sums = []
-    for i in range(3):
-        dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
-                                timeout=timedelta(seconds=30))
-        t = torch.full((4,), float(rank + i))
-        dist.all_reduce(t)
-        sums.append(t[0].item())
-        dist.destroy_process_group()
-    return sums
-
-
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_reinit_on_one_store_reads_no_old_keys(transport):
-    res = run_ranks(_reinit_on_one_store, 2, timeout=90, env={"PYCOLL_TRANSPORT": transport})
-    assert res == [[1.0, 3.0, 5.0]] * 2
-
-
-ELASTIC_SCRIPT = textwrap.dedent('''
-    import os, sys
-    import torch, torch.distributed as dist
-    import pycoll
-    ck = sys.argv[1]
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    dist.init_process_group("pycoll")
-    rank = dist.get_rank()
-    w, start = torch.zeros(4), 0
-    if os.path.exists(ck):
-        state = torch.load(ck)
-        w, start = state["w"], state["step"]
-    for step in range(start, 8):
-        g = torch.ones(4) * (rank + 1)
-        dist.all_reduce(g)
-        w += g
-        if rank == 0:
-            torch.save({"w": w, "step": step + 1}, ck + ".tmp")
-            os.replace(ck + ".tmp", ck)
-        dist.barrier()
-        if attempt == 0 and step == 3 and rank == 1:
-            os._exit(3)                          # a rank dies; torchrun restarts the job
-    print(f"done rank={rank} attempt={attempt} w={w[0].item()}", flush=True)
-    dist.destroy_process_group()
-''')
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_torchrun_elastic_restart_resumes_on_the_first_restart(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(ELASTIC_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYCOLL_", "MASTER_", "RANK", "WORLD"))}
-    env["OMP_NUM_THREADS"] = "1"
-    for run in range(2):
-        ck = tmp_path / f"ck{run}"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-             "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), str(ck)],
-            capture_output=True, text=True, timeout=120, env=env)
-        done = sorted(re.findall(r"done rank=(\d) attempt=(\d) w=([\d.]+)", proc.stdout))
-        assert proc.returncode == 0 and done == [("0", "1", "24.0"), ("1", "1", "24.0")], \
-            (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])

@@ -81,12 +81,13 @@ def _install() -> None:
     _installed = True
 
 
-def create(store, rank: int, size: int, timeout):
-    """The creator torch.distributed calls for backend="pycoll"."""
+def create(opts, backend_options=None):
+    """The creator torch.distributed calls for backend="pycoll" (registered with torch's
+    extended API: ``opts`` is its ``_DistributedBackendOptions``)."""
     _install()
     from pycoll.c10d.backend import create as make
 
-    return make(store, rank, size, timeout)
+    return make(opts, backend_options)
 
 
 def _register() -> None:
@@ -94,7 +95,7 @@ def _register() -> None:
         # "cuda" only on a CUDA build of torch, decided without touching the driver (a CUDA
         # context made at import would break ranks forked from this process).
         devices = backend_devices(torch.version.cuda is not None)
-        dist.Backend.register_backend(BACKEND_NAME, create, devices=devices)
+        dist.Backend.register_backend(BACKEND_NAME, create, extended_api=True, devices=devices)
 
 
 def monitored_barrier(group=None, timeout=None, wait_all_ranks: bool = False):

@@ -212,6 +212,32 @@ def shrink_group(pg, excluded: list[int], flags: int, build):
     return new
 
 
+# -- the reconfigure API (torch >= 2.14) --------------------------------------------------
+def reconfigure_supported() -> bool:
+    """Whether this torch has c10d's reconfigure API (``ReconfigureOptions``)."""
+    return hasattr(torch._C._distributed_c10d, "ReconfigureOptions")
+
+
+def require_reconfigure() -> None:
+    if not reconfigure_supported():
+        raise TorchCompatError(f"pycoll: reconfigure needs torch >= 2.14 (c10d's ReconfigureOptions); "
+                               f"this torch is {torch.__version__}")
+
+
+def error_type(name: str):
+    """c10d's ``ErrorType`` member ``name`` (torch >= 2.14), or ``name`` on an older torch."""
+    kind = getattr(torch._C._distributed_c10d, "ErrorType", None)
+    return getattr(kind, name) if kind is not None else name
+
+
+def renumbered(pg, size: int) -> None:
+    """torch's record of the default group's ranks after it took ``size`` members in place
+    (torch updates nothing after a reconfigure; its rank and size come from the group)."""
+    world = _need(c10d, "_world", "the process-group registry")
+    if pg is world.default_pg or pg is getattr(c10d.GroupMember, "WORLD", None):
+        world.pg_group_ranks[pg] = {r: r for r in range(size)}
+
+
 def install() -> None:
     """Wrap the torch functions above (idempotent; called by ``import pycoll``)."""
     _wrap_set_pg_timeout()

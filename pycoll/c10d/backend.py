@@ -11,32 +11,46 @@ and is checked by the transport.
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from pycoll import observe, rendezvous
-from pycoll.c10d import cpu, p2p, plans, shrink
+from pycoll import observe, rendezvous, torch_compat
+from pycoll.c10d import cpu, p2p, plans, reconfigure, shrink
 from pycoll.c10d.lookups import DeviceLookups
 from pycoll.core.collectives import all_reduce_task
 from pycoll.core.communicator import Communicator
 from pycoll.core.work import Work, completed
 from pycoll.cuda import channel_for
 
+log = logging.getLogger("pycoll")
+
 
 class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
     is_pycoll = True   # how torch_compat's wrappers tell a pycoll group from others
 
-    def __init__(self, store, rank: int, size: int, timeout: timedelta) -> None:
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, *,
+                 enable_reconfigure: bool = False) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
         self._timeout = timeout
-        # This generation's keys only; CUDA calls and splits exchange their set-up through it.
-        self._store = store = rendezvous.generation_store(store, rank, size)
-        self._comm = Communicator(store, rank, size, timeout.total_seconds(), observers=observe.for_group(rank))
+        self._base_store = store       # where reconfigures meet (``reconfigure``)
         self._cuda = None              # the CUDA channel, made at the first call with CUDA tensors
         self._monitored_calls = 0
         self._shrinks = 0              # shrinks attempted: each attempt's keys are its own
+        self._abort_hooks: dict = {}
+        self._uuids: set[int] = set()  # reconfigure uuids this group has tried
+        self._uuid = -1                # the reconfigure it is in (-1: as made)
+        if enable_reconfigure:         # no members until the first reconfigure, as gloo's
+            self._first_rank = -1
+            self._store = None
+            self._comm = reconfigure.Unconfigured(rank, size, timeout.total_seconds())
+            return
+        self._first_rank = rank
+        # This generation's keys only; CUDA calls and splits exchange their set-up through it.
+        self._store = store = rendezvous.generation_store(store, rank, size)
+        self._comm = Communicator(store, rank, size, timeout.total_seconds(), observers=observe.for_group(rank))
 
     @property
     def communicator(self) -> Communicator:
@@ -55,6 +69,10 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
 
     def size(self) -> int:
         return self._size
+
+    # C++ callers of a Python group (DDP's reducer) ask these: they follow a reconfigure too.
+    getRank = rank
+    getSize = size
 
     def __repr__(self) -> str:
         return f"ProcessGroupPycoll(rank={self._rank}, size={self._size})"
@@ -178,11 +196,45 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
         if self._cuda is not None:
             self._cuda.close(True)
         self._comm.shutdown(abort=True)
+        for hook in list(self._abort_hooks.values()):   # on the caller's thread, no lock held
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - one user hook must not stop the others
+                log.exception("pycoll: an abort hook raised")
 
     def shrink(self, ranks_to_exclude, shrink_flags: int = 0, opts=None):
         """c10d's ``Backend.shrink``, which ``dist.shrink_group`` calls: the remaining ranks'
         new group (``pycoll.c10d.shrink``)."""
         return shrink.shrink(self, ranks_to_exclude, shrink_flags, opts)
+
+    # -- torch's reconfigure API (torch >= 2.14; ``pycoll.c10d.reconfigure``) ------------------
+    @property
+    def supports_reconfigure(self) -> bool:
+        return torch_compat.reconfigure_supported()
+
+    def get_reconfigure_handle(self) -> str:
+        torch_compat.require_reconfigure()
+        return reconfigure.handle_of(self)
+
+    def reconfigure(self, opts) -> Work:
+        return reconfigure.run(self, opts)
+
+    def get_error(self):
+        """c10d's ``ErrorType`` of what broke the group (``SUCCESS`` while nothing has)."""
+        err = self._comm.error
+        name = "SUCCESS" if err is None else "TIMEOUT" if isinstance(err, TimeoutError) else \
+            "REMOTE_ERROR" if isinstance(err, ConnectionError) else "COMM_ERROR"
+        return torch_compat.error_type(name)
+
+    def register_abort_hook(self, hook_id: int, hook) -> None:
+        """``hook()`` runs when the group is aborted (``pg.abort()``), on the aborting thread."""
+        self._abort_hooks[hook_id] = hook
+
+    def unregister_abort_hook(self, hook_id: int) -> None:
+        self._abort_hooks.pop(hook_id, None)
+
+    registerAbortHook = register_abort_hook
+    unregisterAbortHook = unregister_abort_hook
 
     # -- running a plan ----------------------------------------------------------------------
     def _call(self, builder, opts, *args) -> Work:
@@ -226,6 +278,8 @@ def _op_timeout(opts) -> float | None:
     return secs if secs > 0 else None
 
 
-def create(store, rank: int, size: int, timeout: timedelta) -> ProcessGroupPycoll:
-    """The creator function torch.distributed calls for backend="pycoll"."""
-    return ProcessGroupPycoll(store, rank, size, timeout)
+def create(opts, backend_options=None) -> ProcessGroupPycoll:
+    """The creator torch.distributed calls for backend="pycoll" (its extended form: torch's
+    ``_DistributedBackendOptions``, which carries ``enable_reconfigure`` on torch >= 2.14)."""
+    return ProcessGroupPycoll(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                              enable_reconfigure=getattr(opts, "enable_reconfigure", False))

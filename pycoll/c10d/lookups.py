@@ -5,7 +5,8 @@ supports: DCP's async save wants a CPU backend, the full-state-dict broadcast in
 takes ``pg._device_types[0]``, ``split_group`` and ``shrink_group`` ask ``supports_splitting``
 and ``supports_shrinking``, and FSDP2 asks ``supports_tensor_alloc`` before it allocates its
 communication buffers with ``allocate_tensor`` (registered memory: ``c10d.shared``). A
-C++ ``Backend`` cannot be made from Python ("No constructor defined"), and torch uses a
+C++ ``Backend`` cannot be made from Python on torch 2.13 ("No constructor defined"; on 2.14
+it can, but cannot change its rank and size after a reconfigure), and torch uses a
 ProcessGroup subclass as the group itself, so a pycoll group is its own backend for every
 device it serves. ``DeviceLookups`` is a base class of ``backend.ProcessGroupPycoll``; it
 uses the group's ``_rank``, ``_size``, ``_timeout``, ``_store`` and ``_comm``.

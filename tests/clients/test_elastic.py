@@ -99,6 +99,7 @@ TWO_NODE_SCRIPT = textwrap.dedent('''
     import os, sys, time
     from datetime import timedelta
     import torch, torch.distributed as dist
+    import pycoll
     ck, marker, slow = sys.argv[1], sys.argv[2], float(sys.argv[3])
     dist.init_process_group("pycoll", timeout=timedelta(seconds=30))
     rank, attempt = dist.get_rank(), os.environ["TORCHELASTIC_RESTART_COUNT"]

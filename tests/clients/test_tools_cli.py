@@ -222,3 +222,16 @@ def test_ddp_phases_times_each_configuration_on_both_ranks():
     for config in ("indep", "ours", "overlap"):
         assert sum(ln.split()[0] == config for ln in out.splitlines() if ln.startswith("  ")) == 2, out
     assert "ours' buckets (index, MiB, ready, reduced): [(0, " in out, out
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not __import__("pycoll.torch_compat").torch_compat.reconfigure_supported(),
+                    reason="tools/heal.py needs torch >= 2.14 (the reconfigure API)")
+def test_heal_replaces_a_killed_rank_with_a_hot_spare_and_ends_with_the_uninterrupted_model():
+    proc = subprocess.run([sys.executable, str(REPO / "tools" / "heal.py"), "--backend", "pycoll",
+                           "--scenario", "spare", "--steps", "6", "--kill-step", "2", "--json"],
+                          capture_output=True, text=True, timeout=220, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (row,) = json.loads(proc.stdout)
+    assert row["joined_sum_ok"] and row["max_diff_vs_uninterrupted"] == 0.0, row
+    assert len(row["know_ms"]) == 3 and row["first_full_step_ms"] > 0, row

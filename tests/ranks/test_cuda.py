@@ -174,7 +174,7 @@ def test_backend_devices():
 def _registered_with_cuda(rank, world):
     name = "pycoll_cudareg"
     if name.upper() not in dist.Backend._plugins:
-        dist.Backend.register_backend(name, pycoll.create, devices=["cpu", "cuda"])
+        dist.Backend.register_backend(name, pycoll.create, extended_api=True, devices=["cpu", "cuda"])
     dist.init_process_group(name, rank=rank, world_size=world, store=rank_store())
     try:
         t = torch.full((3,), float(rank + 1))

@@ -1,0 +1,176 @@
+"""Faults around torch's reconfigure API on pycoll (torch >= 2.14): a reconfigure racing an op
+in flight, a member dying during the reconfigure, a handle of a dead process, a member of
+another build; and eight generations alternating shrink and grow with nothing left behind."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pycoll import torch_compat
+from pycoll.testing.ranks import memfd_maps, rank_store, run_ranks
+
+pytestmark = [pytest.mark.timeout(180),
+              pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning"),
+              pytest.mark.skipif(not torch_compat.reconfigure_supported(),
+                                 reason="torch < 2.14 has no reconfigure API")]
+
+
+def _init(rank, world, **kw):
+    store = dist.PrefixStore("job", rank_store())
+    dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
+                            timeout=timedelta(seconds=20), **kw)
+    return store
+
+
+def _meet(store, step: str, rank: int, members) -> list[str]:
+    store.set(f"{step}/{rank}", dist._get_reconfigure_handle())
+    return [store.get(f"{step}/{r}").decode() for r in members]
+
+
+def _sum() -> float:
+    t = torch.full((3,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    return t[0].item()
+
+
+def _race(rank, world):
+    """Rank 0 has an all_reduce in flight (the others never join it) when all reconfigure."""
+    store = _init(rank, world)
+    pending = None
+    if rank == 0:
+        pending = dist.all_reduce(torch.ones(1 << 16), async_op=True)
+        time.sleep(0.2)
+    handles = _meet(store, "h", rank, range(world))
+    dist._reconfigure(1, handles)
+    out = {"after": _sum()}
+    if pending is not None:
+        try:
+            pending.wait()
+            out["pending"] = "completed"
+        except Exception as exc:  # noqa: BLE001
+            out["pending"] = str(exc)
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_reconfigure_racing_an_op_in_flight_fails_the_op_clearly_and_works():
+    res = run_ranks(_race, 3, timeout=90)
+    assert all(r["after"] == 6.0 for r in res), res
+    assert "being reconfigured (uuid 1)" in res[0]["pending"], res[0]
+
+
+def _dies_during(rank, world):
+    store = _init(rank, world)
+    dist._reconfigure(1, _meet(store, "h1", rank, range(world)))
+    handles = _meet(store, "h2", rank, range(world))
+    if rank == 2:
+        os._exit(1)                                # published its handle, then died
+    t0 = time.monotonic()
+    try:
+        dist._reconfigure(2, handles)
+        return "no error"
+    except Exception as exc:  # noqa: BLE001
+        err = (str(exc), time.monotonic() - t0)
+    dist._reconfigure(3, _meet(store, "h3", rank, [0, 1]))   # without it
+    out = (err, _sum())
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_member_dying_during_the_reconfigure_fails_it_at_once_on_every_rank():
+    res = run_ranks(_dies_during, 3, timeout=90, may_die=(2,))
+    for (msg, seconds), total in res[:2]:
+        assert "died" in msg and "new rank 2" in msg, msg
+        assert seconds < 5, seconds                    # the timeout is 20 s
+        assert total == 3.0
+
+
+def _dead_joiner(rank, world):
+    """Process 2 made a group to join, published its handle and exited before the join."""
+    store = _init(rank, world if rank < 2 else 3, enable_reconfigure=True)
+    handles = _meet(store, "h", rank, range(world))
+    if rank == 2:
+        os._exit(0)
+    t0 = time.monotonic()
+    try:
+        dist._reconfigure(1, handles, timeout=timedelta(seconds=3))
+        return "no error"
+    except Exception as exc:  # noqa: BLE001
+        out = (str(exc), time.monotonic() - t0)
+    dist._reconfigure(2, _meet(store, "h2", rank, [0, 1]))
+    out = (*out, _sum())
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_handle_of_a_dead_process_fails_within_the_timeout_naming_the_wait():
+    res = run_ranks(_dead_joiner, 3, timeout=90, may_die=(2,))
+    for msg, seconds, total in res[:2]:
+        assert "uuid 1: timed out after 3 s" in msg and "never arrived: [2]" in msg, msg
+        assert seconds < 15
+        assert total == 3.0
+
+
+def _other_build(rank, world):
+    store = _init(rank, world)
+    handles = _meet(store, "h", rank, range(world))
+    # What processes of another pycoll or torch would hand over: rank 1's with other versions.
+    fields = handles[1].split(":")
+    fields[2] = "9.9.9+torch0.0"
+    if rank != 1:
+        handles[1] = ":".join(fields)
+    try:
+        dist._reconfigure(1, handles, timeout=timedelta(seconds=5))
+        out = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out = str(exc)
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_member_of_another_build_is_refused_on_every_rank():
+    res = run_ranks(_other_build, 3, timeout=90)
+    assert "another build" in res[0] and "another build" in res[2], res
+    assert "pycoll reconfigure" in res[1], res
+
+
+def _census():
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return len(os.listdir("/proc/self/fd")), threading.active_count(), rss, len(memfd_maps())
+
+
+def _generations(rank, world):
+    """Process 2 leaves (shrink) and comes back (grow), eight generations in turn."""
+    store = _init(rank, world, enable_reconfigure=True)
+    seen = []
+    for gen in range(1, 9):
+        members = [0, 1] if gen % 2 else [0, 1, 2]
+        if rank in members:
+            dist._reconfigure(gen, _meet(store, f"g{gen}", rank, members))
+            for _ in range(20):
+                t = torch.ones(1 << 18)                 # 1 MiB: the arena's and heap's sizes
+                dist.all_reduce(t)
+            assert t[0].item() == len(members)
+        store.add(f"done{gen}", 1)
+        while store.add(f"done{gen}", 0) < world:
+            time.sleep(0.005)
+        seen.append(_census())
+    dist.destroy_process_group()
+    return seen
+
+
+def test_eight_generations_of_shrink_and_grow_leave_nothing_behind():
+    res = run_ranks(_generations, 3, timeout=150)
+    for seen in res:
+        fds, threads, rss, maps = zip(*seen)
+        assert fds[-1] <= fds[1] and threads[-1] <= threads[1], seen
+        assert maps[-1] <= maps[1], seen
+        assert rss[-1] - rss[1] <= 5 << 20, [r >> 20 for r in rss]

@@ -1,0 +1,90 @@
+"""The frameworks people train with, on pycoll, equal to gloo number for number: Lightning and
+Ray Train by name; HF Accelerate and the HF Trainer with the group made first (their refusal
+of any other CPU backend name is checked too, so the recipe's reason stays true).
+
+Each job is one of ``examples/frameworks/`` run as its README says, on pycoll and on gloo;
+the final weights must be equal. A framework that is not installed skips its test (the
+``test`` extra installs all four).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "frameworks"
+pytestmark = pytest.mark.timeout(300)
+
+
+def _needs(module: str):
+    return pytest.mark.skipif(importlib.util.find_spec(module) is None, reason=f"{module} is not installed")
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYCOLL_", "MASTER_", "RANK", "WORLD", "LOCAL_RANK", "TORCHELASTIC"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run(cmd: list[str], cwd) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=cwd)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+def _torchrun(script: str, mode: str, out, cwd) -> str:
+    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                 "127.0.0.1", "--master-port", str(_free_port()), str(EXAMPLES / script), mode, str(out)], cwd)
+
+
+def _same(tmp_path, pycoll_json, gloo_json) -> None:
+    ours, theirs = (json.loads(Path(p).read_text()) for p in (pycoll_json, gloo_json))
+    assert ours["backend"] == "pycoll" and theirs["backend"] == "gloo"
+    assert ours["weights"] == theirs["weights"]
+
+
+@_needs("lightning")
+def test_lightning_ddp_strategy_by_name(tmp_path):
+    for backend in ("pycoll", "gloo"):
+        _run([sys.executable, str(EXAMPLES / "lightning_ddp.py"), backend, str(tmp_path / f"{backend}_out.json")],
+             tmp_path)
+    _same(tmp_path, tmp_path / "pycoll_out.json", tmp_path / "gloo_out.json")
+
+
+@_needs("accelerate")
+def test_accelerate_with_the_group_made_first(tmp_path):
+    for mode in ("pycoll", "gloo"):
+        _torchrun("accelerate_cpu.py", mode, tmp_path / f"{mode}_out.json", tmp_path)
+    _same(tmp_path, tmp_path / "pycoll_out.json", tmp_path / "gloo_out.json")
+    refusal = _torchrun("accelerate_cpu.py", "by-name", tmp_path / "none_out.json", tmp_path)
+    assert "RESULT Your assigned backend pycoll is not available, please use gloo" in refusal
+
+
+@_needs("transformers")
+def test_hf_trainer_with_the_group_made_first(tmp_path):
+    for mode in ("pycoll", "gloo"):
+        _torchrun("hf_trainer.py", mode, tmp_path / f"{mode}_out.json", tmp_path)
+    _same(tmp_path, tmp_path / "pycoll_out.json", tmp_path / "gloo_out.json")
+    refusal = _torchrun("hf_trainer.py", "by-name", tmp_path / "none_out.json", tmp_path)
+    assert "RESULT Your assigned backend pycoll is not available, please use gloo" in refusal
+
+
+@_needs("ray")
+def test_ray_train_by_name(tmp_path):
+    _run([sys.executable, str(EXAMPLES / "ray_train.py"), str(tmp_path), "pycoll", "gloo"], tmp_path)
+    _same(tmp_path, tmp_path / "pycoll_out.json", tmp_path / "gloo_out.json")

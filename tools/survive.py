@@ -2,6 +2,7 @@
 
     python tools/survive.py                      # torch DDP and ddp/, 4 ranks, one kill -9
     python tools/survive.py --ddp torch --steps 40 --no-torchrun
+    python tools/survive.py --spares [heal.py's options]   # hot spares: tools/heal.py (torch >= 2.14)
 
 Four ranks train a small classifier with data-parallel SGD (torch's DDP or pycoll's
 ``ddp/``) on pycoll. At a random step one rank SIGKILLs itself in the middle of the step.
@@ -227,6 +228,13 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--spares"]:
+        # Healing to full strength with hot spares uses torch 2.14's reconfigure API; its
+        # driver runs pycoll and gloo side by side (tools/heal.py).
+        import heal
+
+        return heal.main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ddp", choices=["torch", "ours", "both"], default="both")
     ap.add_argument("--steps", type=int, default=60)

@@ -92,6 +92,14 @@ def _heal(rank, world):
     gathered = [torch.zeros_like(grads) for _ in range(3)]
     dist.all_gather(gathered, grads)
     me["ddp_equal"] = all(torch.equal(g, gathered[0]) for g in gathered)
+    from ddp import DistributedDataParallel as OurDDP
+
+    model = torch.nn.Linear(4, 2)
+    ours = OurDDP(model)                           # ours, wrapped on the reconfigured group
+    ours(torch.randn(3, 4)).sum().backward()
+    grads = torch.cat([p.grad.flatten() for p in model.parameters()])
+    dist.all_gather(gathered, grads)
+    me["ours_equal"] = all(torch.equal(g, gathered[0]) for g in gathered)
     dist.destroy_process_group()
     return me
 
@@ -111,7 +119,7 @@ def test_shrink_after_a_death_then_a_new_process_joins(path):
         assert r["state"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
         assert "uuid 3 was already used" in r["reused"], r["reused"]
         assert r["sub"] == (3.0 if rank < 2 else None)
-        assert r["ddp_equal"]
+        assert r["ddp_equal"] and r["ours_equal"]
 
 
 def _bad(rank, world):

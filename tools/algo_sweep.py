@@ -37,7 +37,6 @@ if __package__ in (None, ""):  # run as a script: make the `tools` package impor
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from pycoll import algorithms
 from pycoll.algorithms.cost import Params
@@ -65,11 +64,11 @@ def _tensors(collective: str, nbytes: int, world: int):
                      "all_gather or reduce_scatter")
 
 
-def _rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
+def _rank(rank: int, world: int, port: int, cfg: dict) -> dict | None:
     import pycoll
 
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world + 1, False, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     group = dist.new_group(backend="pycoll", timeout=timedelta(seconds=120))
     coll, algos = cfg["collective"], cfg["algorithms"]
@@ -92,6 +91,7 @@ def _rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
                         dtype=torch.float64)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
+    doc = None
     if rank == 0:
         mean = torch.stack(everyone).mean(0).tolist()  # per op: the mean over ranks
         doc, i = {}, 0
@@ -101,30 +101,26 @@ def _rank(rank: int, world: int, port: int, cfg: dict, out: str) -> None:
                 k = len(times[a][n])
                 doc[a][n] = statistics.median(mean[i:i + k]) * 1e6
                 i += k
-        Path(out).write_text(json.dumps(doc))
     dist.destroy_process_group(group)
     dist.destroy_process_group()
+    return doc
 
 
 def sweep(collective: str, world: int, sizes: list[int], rounds: int, iters: int,
           warmup: int) -> dict[str, dict[int, float]]:
     """{algorithm: {bytes: median us}} measured on the TCP path."""
-    import tempfile
+    from pycoll.testing import spawn
 
-    # The store lives here, on a port the OS picks (no window for another process to take it).
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, True, wait_for_workers=False, timeout=timedelta(seconds=60))
-    port = store.port
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ["PYCOLL_TRANSPORT"] = "tcp"
-    os.environ.pop("PYCOLL_ALGO", None)  # set_algorithm decides, per group
     cfg = {"collective": collective, "algorithms": list(algorithms.ALGORITHMS[collective]),
            "sizes": sizes, "rounds": rounds, "iters": iters, "warmup": warmup}
-    with tempfile.TemporaryDirectory(prefix="pycoll-sweep-") as tmp:
-        out = os.path.join(tmp, "times.json")
-        mp.start_processes(_rank, args=(world, port, cfg, out), nprocs=world, join=True,
-                           start_method="spawn")
-        del store
-        return {a: {int(n): t for n, t in by.items()} for a, by in json.loads(Path(out).read_text()).items()}
+    env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYCOLL_TRANSPORT": "tcp"}
+    saved = os.environ.pop("PYCOLL_ALGO", None)   # set_algorithm decides, per group
+    try:
+        doc = spawn.run(_rank, world, cfg, env=env, store_timeout=60)[0]
+    finally:
+        if saved is not None:
+            os.environ["PYCOLL_ALGO"] = saved
+    return {a: {int(n): t for n, t in by.items()} for a, by in doc.items()}
 
 
 def pool(runs: list[dict]) -> dict:

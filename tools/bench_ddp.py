@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import resource
 import sys
@@ -239,41 +238,19 @@ def _rss_pss() -> dict:
     return got
 
 
-def _rank_main(fn_name: str, rank: int, world: int, port: int, opts: dict, queue) -> None:
-    try:
-        queue.put((rank, "ok", globals()[fn_name](rank, world, port, opts)))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        import traceback
-        queue.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+def _by_name(rank: int, world: int, port: int, fn_name: str, opts: dict):
+    return globals()[fn_name](rank, world, port, opts)
 
 
 def run_ranks(fn_name: str, world: int, opts: dict, timeout_s: float, fresh: bool = False) -> list[dict]:
     """Run ``fn_name`` on ``world`` ranks; ``fresh``: spawned from scratch, with this
     process's current environment (the forkserver keeps the one it started with)."""
-    ctx = mp.get_context("spawn" if fresh else "forkserver")
-    if not fresh:
-        ctx.set_forkserver_preload(["torch", "torch.distributed"])
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
-    queue = ctx.Queue()
-    # A rank with DataLoader workers must be allowed children: not a daemon (killed below).
-    procs = [ctx.Process(target=_rank_main, args=(fn_name, r, world, store.port, opts, queue),
-                         daemon=opts.get("loader") is None) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: list = [None] * world
-    try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout_s)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed: {value}")
-            results[rank] = value
-    finally:
-        for p in procs:
-            p.join(5)
-            if p.is_alive():
-                p.kill()
-    return results
+    from pycoll.testing import spawn
+
+    # A rank with DataLoader workers must be allowed children: not a daemon (killed at the end).
+    return spawn.run(_by_name, world, fn_name, opts, timeout=timeout_s, store_timeout=timeout_s,
+                     context="spawn" if fresh else "forkserver", preload=["torch", "torch.distributed"],
+                     daemon=opts.get("loader") is None)
 
 
 MMAP_FIXED = "glibc.malloc.mmap_threshold=1048576"

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tools import spawn_ranks  # noqa: E402
+from pycoll.testing import spawn  # noqa: E402
 
 CONFIGS = ("gloo", "pycoll", "pycoll registered")
 
@@ -56,44 +56,40 @@ def _model(group, registered: bool) -> nn.Module:
     return model
 
 
-def _rank(rank: int, world: int, port: int, opts: dict, queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        import pycoll  # noqa: F401  (registers the backend)
+def _rank(rank: int, world: int, port: int, opts: dict) -> dict:
+    torch.set_num_threads(1)
+    import pycoll  # noqa: F401  (registers the backend)
 
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
-        dist.init_process_group("gloo", rank=rank, world_size=world, store=store, timeout=timedelta(seconds=120))
-        ours = dist.new_group(backend="pycoll")
-        groups = {"gloo": dist.group.WORLD, "pycoll": ours, "pycoll registered": ours}
-        models = {c: _model(groups[c], c.endswith("registered")) for c in CONFIGS}
-        opts_ = {c: torch.optim.SGD(m.parameters(), lr=0.01) for c, m in models.items()}
-        g = torch.Generator().manual_seed(rank)
-        x, y = torch.randn(32, 1024, generator=g), torch.randint(0, 10, (32,), generator=g)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", rank=rank, world_size=world, store=store, timeout=timedelta(seconds=120))
+    ours = dist.new_group(backend="pycoll")
+    groups = {"gloo": dist.group.WORLD, "pycoll": ours, "pycoll registered": ours}
+    models = {c: _model(groups[c], c.endswith("registered")) for c in CONFIGS}
+    opts_ = {c: torch.optim.SGD(m.parameters(), lr=0.01) for c, m in models.items()}
+    g = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(32, 1024, generator=g), torch.randint(0, 10, (32,), generator=g)
 
-        def step(c):
-            loss = nn.functional.cross_entropy(models[c](x), y)
-            loss.backward()
-            opts_[c].step()
-            opts_[c].zero_grad()
-            return loss.item()
+    def step(c):
+        loss = nn.functional.cross_entropy(models[c](x), y)
+        loss.backward()
+        opts_[c].step()
+        opts_[c].zero_grad()
+        return loss.item()
 
-        times = {c: [] for c in CONFIGS}
-        last = {}
-        for c in CONFIGS:    # warm-up
-            step(c)
-        for r in range(opts["rounds"]):
-            for c in CONFIGS[r % 3:] + CONFIGS[:r % 3]:
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(opts["steps"]):
-                    last[c] = step(c)
-                times[c].append(time.perf_counter() - t0)
-        del models, opts_
-        dist.destroy_process_group()
-        queue.put((rank, "ok", {"times": times, "last": last}))
-    except BaseException as e:  # noqa: BLE001
-        import traceback
-        queue.put((rank, "err", f"{e}\n{traceback.format_exc()}"))
+    times = {c: [] for c in CONFIGS}
+    last = {}
+    for c in CONFIGS:    # warm-up
+        step(c)
+    for r in range(opts["rounds"]):
+        for c in CONFIGS[r % 3:] + CONFIGS[:r % 3]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(opts["steps"]):
+                last[c] = step(c)
+            times[c].append(time.perf_counter() - t0)
+    del models, opts_
+    dist.destroy_process_group()
+    return {"times": times, "last": last}
 
 
 def main(argv=None) -> int:
@@ -103,8 +99,10 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     a = p.parse_args(argv)
     world = a.world_size
-    results = spawn_ranks.run(_rank, world, vars(a))
-    if results is None:
+    try:
+        results = spawn.run(_rank, world, vars(a))
+    except spawn.RankFailed as exc:
+        print(exc, file=sys.stderr)
         return 1
     print(f"# FSDP2 (fully_shard per layer) on the 25.2M MLP, world {world}, {a.rounds} rounds x "
           f"{a.steps} steps, interleaved; median steps/s of the slowest rank")

@@ -34,43 +34,39 @@ if __package__ in (None, ""):
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from tools import spawn_ranks  # noqa: E402
+from pycoll.testing import spawn  # noqa: E402
 
 
-def _rank(rank: int, world: int, port: int, opts: dict, queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        import pycoll
+def _rank(rank: int, world: int, port: int, opts: dict) -> dict:
+    torch.set_num_threads(1)
+    import pycoll
 
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
-        dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
-                                timeout=timedelta(seconds=120))
-        dtype = getattr(torch, opts["dtype"])
-        item = torch.empty(0, dtype=dtype).element_size()
-        out = {}
-        for nbytes in opts["sizes"]:
-            n = nbytes // item
-            n -= n % world
-            bufs = {"registered": pycoll.empty_shared(n, dtype=dtype), "staged": torch.empty(n, dtype=dtype)}
-            run, wrong = _collective(opts["collective"], rank, world, n, dtype), {}
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
+                            timeout=timedelta(seconds=120))
+    dtype = getattr(torch, opts["dtype"])
+    item = torch.empty(0, dtype=dtype).element_size()
+    out = {}
+    for nbytes in opts["sizes"]:
+        n = nbytes // item
+        n -= n % world
+        bufs = {"registered": pycoll.empty_shared(n, dtype=dtype), "staged": torch.empty(n, dtype=dtype)}
+        run, wrong = _collective(opts["collective"], rank, world, n, dtype), {}
+        for name, t in bufs.items():
+            wrong[name] = run(t, check=True)
+        times = {name: [] for name in bufs}
+        for name, t in bufs.items():      # warm-up
+            run(t)
+        while min(len(v) for v in times.values()) < opts["iters"]:
             for name, t in bufs.items():
-                wrong[name] = run(t, check=True)
-            times = {name: [] for name in bufs}
-            for name, t in bufs.items():      # warm-up
-                run(t)
-            while min(len(v) for v in times.values()) < opts["iters"]:
-                for name, t in bufs.items():
-                    for _ in range(opts["chunk"]):
-                        t0 = time.perf_counter()
-                        run(t)
-                        times[name].append(time.perf_counter() - t0)
-            out[nbytes] = {"times": times, "wrong": wrong}
-            del bufs
-        dist.destroy_process_group()
-        queue.put((rank, "ok", out))
-    except BaseException as e:  # noqa: BLE001
-        import traceback
-        queue.put((rank, "err", f"{e}\n{traceback.format_exc()}"))
+                for _ in range(opts["chunk"]):
+                    t0 = time.perf_counter()
+                    run(t)
+                    times[name].append(time.perf_counter() - t0)
+        out[nbytes] = {"times": times, "wrong": wrong}
+        del bufs
+    dist.destroy_process_group()
+    return out
 
 
 def _collective(name: str, rank: int, world: int, n: int, dtype):
@@ -133,8 +129,10 @@ def main(argv=None) -> int:
     opts = {"sizes": [_size(s) for s in a.sizes.split(",") if s], "iters": a.iters, "chunk": a.chunk,
             "dtype": a.dtype, "collective": a.collective}
     before = ref.memcpy_per_rank(a.ref_seconds, world) / 1e9 if a.ref_seconds > 0 else 0.0
-    results = spawn_ranks.run(_rank, world, opts)
-    if results is None:
+    try:
+        results = spawn.run(_rank, world, opts)
+    except spawn.RankFailed as exc:
+        print(exc, file=sys.stderr)
         return 1
     after = ref.memcpy_per_rank(a.ref_seconds, world) / 1e9 if a.ref_seconds > 0 else 0.0
     copy_rate = max(before, after)

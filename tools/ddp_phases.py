@@ -39,7 +39,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from tools import spawn_ranks  # noqa: E402
+from pycoll.testing import spawn  # noqa: E402
 
 PHASES = ("fwd", "bwd", "opt", "step", "tail")
 
@@ -77,10 +77,6 @@ def _configs(pg, gloo, build):
         "torch_gloo_fp16": lambda: hooked(torch_ddp(build(), process_group=gloo),
                                           default_hooks.fp16_compress_hook, gloo),
     }
-
-
-def rank_main(rank: int, world: int, port: int, args, queue) -> None:
-    spawn_ranks.report(queue, rank, lambda: _phases(rank, world, port, args))
 
 
 def _phases(rank: int, world: int, port: int, args) -> tuple:
@@ -139,9 +135,10 @@ def main() -> None:
     p.add_argument("--json", help="also write the figures here")
     args = p.parse_args()
     args.configs = args.configs.split(",")
-    results = spawn_ranks.run(rank_main, 2, args, timeout=600)
-    if results is None:
-        sys.exit(1)
+    try:
+        results = spawn.run(_phases, 2, args, timeout=600)
+    except spawn.RankFailed as exc:
+        sys.exit(str(exc))
     for rank, (figures, buckets) in enumerate(results):
         print(f"rank {rank} ({args.model}, ms, medians): " + ", ".join(PHASES))
         for k, ph in figures.items():

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import statistics
 import sys
 import time
@@ -49,6 +48,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from pycoll.testing import spawn  # noqa: E402
 from tools.eager_sgd_model import stragglers  # noqa: E402
 
 MODES = ("full", "solo", "majority")
@@ -177,50 +177,25 @@ def run_modes(rank: int, world: int, imbalance: bool, seed: int, o: dict, data) 
     return [r.finish() for r in runs]
 
 
-def rank_main(rank: int, world: int, port: int, o: dict, queue) -> None:
-    try:
-        import pycoll  # noqa: F401  registers the backend
-        torch.set_num_threads(1)
-        if o.get("switch_interval"):
-            sys.setswitchinterval(o["switch_interval"])
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
-        dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
-                                timeout=timedelta(seconds=120))
-        data = load_digits()
-        out = []
-        for imbalance in o["imbalance"]:
-            for seed in range(o["seeds"]):
-                out += run_modes(rank, world, imbalance, seed, o, data)
-        dist.destroy_process_group()
-        queue.put((rank, "ok", out if rank == 0 else None))
-    except BaseException as e:  # noqa: BLE001 - reported by the parent
-        import traceback
-        queue.put((rank, "err", f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+def rank_main(rank: int, world: int, port: int, o: dict) -> list | None:
+    import pycoll  # noqa: F401  registers the backend
+    torch.set_num_threads(1)
+    if o.get("switch_interval"):
+        sys.setswitchinterval(o["switch_interval"])
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
+    dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
+                            timeout=timedelta(seconds=120))
+    data = load_digits()
+    out = []
+    for imbalance in o["imbalance"]:
+        for seed in range(o["seeds"]):
+            out += run_modes(rank, world, imbalance, seed, o, data)
+    dist.destroy_process_group()
+    return out if rank == 0 else None
 
 
 def run_world(world: int, o: dict, timeout_s: float = 900) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=120))
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, store.port, o, queue), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    result = None
-    try:
-        for _ in range(world):
-            rank, status, value = queue.get(timeout=timeout_s)
-            if status != "ok":
-                raise RuntimeError(f"world {world} rank {rank} failed: {value}")
-            if rank == 0:
-                result = value
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return result
+    return spawn.run(rank_main, world, o, timeout=timeout_s)[0]
 
 
 # ---- report ---------------------------------------------------------------------------

@@ -17,79 +17,57 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
 
+from pycoll.testing import spawn
+
 SIZES = [8 << (2 * k) for k in range(13)] + [256 << 20]   # 8 B, 32 B, ..., 128 MiB, 256 MiB
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank, world, backend, path, port, sizes, q) -> None:
-    try:
-        if path:
-            os.environ["PYCOLL_CUDA_PATH"] = path
-        import torch
-        import torch.distributed as dist
-        if backend == "pycoll":
-            importlib.import_module("pycoll")  # registers the backend
-        ngpu = torch.cuda.device_count()
-        dev = torch.device("cuda", rank % ngpu if ngpu >= world else 0)
-        torch.cuda.set_device(dev)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, timeout=timedelta(seconds=60))
-        dist.init_process_group(backend, rank=rank, world_size=world, store=store, timeout=timedelta(seconds=60))
-        rows = []
-        for nbytes in sizes:
-            n = max(1, nbytes // 4)
-            t = torch.full((n,), float(rank + 1), device=dev)
-            dist.all_reduce(t)
-            torch.cuda.synchronize()
-            wrong = int((t != world * (world + 1) / 2).sum().item())
-            iters = max(2, min(40, (32 << 20) // max(nbytes, 1)))
-            t.fill_(1.0 / world)
-            dist.all_reduce(t)
-            torch.cuda.synchronize()
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                dist.all_reduce(t)
-            torch.cuda.synchronize()
-            dt = (time.perf_counter() - t0) / iters
-            rows.append({"bytes": n * 4, "us": dt * 1e6, "algbw": n * 4 / dt / 1e9,
-                         "busbw": n * 4 * 2 * (world - 1) / world / dt / 1e9, "wrong": wrong, "iters": iters})
-        if rank == 0:
-            q.put(("ok", rows))
+def _rank(rank, world, port, backend, path, sizes) -> list | None:
+    if path:
+        os.environ["PYCOLL_CUDA_PATH"] = path
+    import torch
+    import torch.distributed as dist
+    if backend == "pycoll":
+        importlib.import_module("pycoll")  # registers the backend
+    ngpu = torch.cuda.device_count()
+    dev = torch.device("cuda", rank % ngpu if ngpu >= world else 0)
+    torch.cuda.set_device(dev)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(backend, rank=rank, world_size=world, store=store, timeout=timedelta(seconds=60))
+    rows = []
+    for nbytes in sizes:
+        n = max(1, nbytes // 4)
+        t = torch.full((n,), float(rank + 1), device=dev)
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
+        wrong = int((t != world * (world + 1) / 2).sum().item())
+        iters = max(2, min(40, (32 << 20) // max(nbytes, 1)))
+        t.fill_(1.0 / world)
+        dist.all_reduce(t)
+        torch.cuda.synchronize()
         dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as e:  # noqa: BLE001 - reported to the driver
-        q.put(("err", f"rank {rank}: {type(e).__name__}: {e}"))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dist.all_reduce(t)
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) / iters
+        rows.append({"bytes": n * 4, "us": dt * 1e6, "algbw": n * 4 / dt / 1e9,
+                     "busbw": n * 4 * 2 * (world - 1) / world / dt / 1e9, "wrong": wrong, "iters": iters})
+    dist.barrier()
+    dist.destroy_process_group()
+    return rows if rank == 0 else None
 
 
 def run_config(backend: str, path: str | None, world: int, sizes: list[int], timeout: float):
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, world, backend, path, port, sizes, q), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
     try:
-        status, value = q.get(timeout=timeout)
-    except Exception:  # noqa: BLE001 - queue.Empty: a hang or a crash
-        status, value = "err", f"no result within {timeout:.0f} s"
-    for p in procs:
-        p.join(10 if status == "ok" else 0.1)
-        if p.is_alive():
-            p.kill()
-    return status, value
+        return "ok", spawn.run(_rank, world, backend, path, sizes, timeout=timeout, store_timeout=60)[0]
+    except spawn.RankFailed as exc:
+        return "err", str(exc)
 
 
 def configs(ngpu: int, nccl_ok: bool) -> list[tuple[str, str, str | None, int]]:

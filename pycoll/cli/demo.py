@@ -14,9 +14,7 @@ models that disagree, or a test accuracy under ``demo_task.THRESHOLD``.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import queue as queue_mod
 import statistics
 import sys
 import time
@@ -25,7 +23,7 @@ from datetime import timedelta
 BACKENDS = ("pycoll", "gloo")
 
 
-def _rank_main(rank: int, world: int, port: int, steps: int, rounds: int, queue) -> None:
+def _rank_main(rank: int, world: int, port: int, steps: int, rounds: int) -> tuple:
     import torch
     import torch.distributed as dist
 
@@ -43,38 +41,19 @@ def _rank_main(rank: int, world: int, port: int, steps: int, rounds: int, queue)
     time_all(rank, world, groups, rows, rounds)
     ddp = train(rank, world, groups, steps)
     dist.destroy_process_group()
-    queue.put((rank, rows, ddp))
+    return rows, ddp
 
 
 def _run_ranks(world: int, steps: int, rounds: int) -> dict | None:
-    import torch.distributed as dist
+    from pycoll.testing import spawn
 
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, store.port, steps, rounds, queue))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict = {}
     # Generous for this machine's 400 steps and 7 rounds (about 5 s), and growing with them.
-    deadline = time.monotonic() + 120 + 0.2 * steps * world + 10 * rounds
+    timeout = 120 + 0.2 * steps * world + 10 * rounds
     try:
-        while len(results) < world:
-            if time.monotonic() > deadline or any(p.exitcode not in (None, 0) for p in procs):
-                print("a rank failed or timed out; see its traceback above", file=sys.stderr)
-                return None
-            try:
-                rank, rows, ddp = queue.get(timeout=0.5)
-            except queue_mod.Empty:
-                continue
-            results[rank] = (rows, ddp)
-    finally:
-        for p in procs:
-            p.join(10 if len(results) == world else 0)
-            if p.is_alive():
-                p.kill()
-    return results
+        return dict(enumerate(spawn.run(_rank_main, world, steps, rounds, timeout=timeout)))
+    except spawn.RankFailed as exc:
+        print(f"a rank failed or timed out: {exc}", file=sys.stderr)
+        return None
 
 
 def _size(n: int) -> str:

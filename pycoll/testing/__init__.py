@@ -6,7 +6,9 @@ transport, can run what pycoll's tests run (as trio ships ``trio.testing``):
   asked, an initialised default group; the first failure or a timeout kills every rank.
   ``fresh``: ``launch(fn, world, ...)`` for ranks that may die or hang on purpose (fault
   tests): fresh processes from the same forkserver, each optionally in a network namespace,
-  every one reaped whatever happens.
+  every one reaped whatever happens. ``spawn``: ``run(target, world, *args)`` for the tools and
+  the CLI (demo, cuda-bench, tools/*.py): fresh processes around a Store this process hosts,
+  values by rank, a failing or dying rank failing the run at once.
 - ``reference``: the whole-world reference of every collective, and ``run_case``, which runs
   any algorithm's schedules on in-memory ranks and compares each rank with it.
 - ``conformance``: what every transport must do (ordering, deadlines, abort, sever, close,
@@ -17,5 +19,5 @@ transport, can run what pycoll's tests run (as trio ships ``trio.testing``):
 - ``mailbox_transport`` and ``mailbox``: a point-to-point transport over shared-memory
   mailboxes (the collectives of one host run on ``transport.shm.arena`` instead).
 
-Nothing in the rest of pycoll imports this package.
+Nothing below the command line (``pycoll.cli``) imports this package.
 """

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 # Top to bottom. A module may import its own layer's modules and any lower layer's.
 LAYERS = [
     ["pycoll.cli", "pycoll.__main__"],
-    ["pycoll.testing"],               # the test kit: may use anything, nothing uses it
+    ["pycoll.testing"],               # the test kit and the launcher: may use anything; only the CLI uses it
     ["ddp"],
     ["pycoll"],                       # the package root: the public names
     ["pycoll.partial"],

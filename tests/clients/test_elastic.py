@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -68,10 +67,11 @@ ELASTIC_SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store():
+    """A Store on a port the OS picks, for torchrun's c10d rendezvous: its agents find a
+    server at the endpoint and join it as clients (no port chosen in advance)."""
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=120))
 
 
 def test_torchrun_elastic_restart_resumes_on_the_first_restart(tmp_path):
@@ -83,7 +83,7 @@ def test_torchrun_elastic_restart_resumes_on_the_first_restart(tmp_path):
         ck = tmp_path / f"ck{run}"
         proc = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-             "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(script), str(ck)],
+             "--standalone", str(script), str(ck)],
             capture_output=True, text=True, timeout=120, env=env)
         done = sorted(re.findall(r"done rank=(\d) attempt=(\d) w=([\d.]+)", proc.stdout))
         assert proc.returncode == 0 and done == [("0", "1", "24.0"), ("1", "1", "24.0")], \
@@ -133,7 +133,8 @@ def test_two_node_restart_with_different_restart_counts_finishes(tmp_path, slow_
     script.write_text(TWO_NODE_SCRIPT)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYCOLL_", "MASTER_", "RANK", "WORLD"))}
     env["OMP_NUM_THREADS"] = "1"
-    port = _free_port()
+    rdzv = _rendezvous_store()
+    port = rdzv.port
     nodes = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
          "--node-rank", str(n), "--max-restarts", "2", "--rdzv-backend", "c10d",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,12 +34,6 @@ def _env() -> dict:
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(cmd: list[str], cwd) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=cwd)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
@@ -48,8 +41,9 @@ def _run(cmd: list[str], cwd) -> str:
 
 
 def _torchrun(script: str, mode: str, out, cwd) -> str:
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
-                 "127.0.0.1", "--master-port", str(_free_port()), str(EXAMPLES / script), mode, str(out)], cwd)
+    # --standalone: torchrun's own rendezvous on a port the OS picks
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 str(EXAMPLES / script), mode, str(out)], cwd)
 
 
 def _same(tmp_path, pycoll_json, gloo_json) -> None:

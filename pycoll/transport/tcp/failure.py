@@ -51,20 +51,40 @@ ABORT_GRACE = 0.25        # seconds spent delivering ABORT frames before shuttin
 MAX_PAD = 64 << 20        # a half-sent frame longer than this is not completed: plain EOF
 
 
+# A transport's life, in one table (as the communicator's LIFECYCLE): OPEN until something
+# breaks it or it closes; BROKEN once it has a reason (ABORT frames not yet sent); SILENT once
+# the peers were told, or must not be (a sever: to them, a crash); CLOSED at the end (a BYE
+# first only when closed from OPEN).
+OPEN, BROKEN, SILENT, CLOSED = "open", "broken", "silent", "closed"
+MOVES = {OPEN: {BROKEN, SILENT, CLOSED}, BROKEN: {SILENT, CLOSED}, SILENT: {CLOSED}, CLOSED: set()}
+
+
 class SharedState:
-    """What a transport and its subsets share: the sockets' lock and the failure."""
+    """What a transport and its subsets share: the sockets' lock, its state and the failure."""
 
     def __init__(self) -> None:
-        self.aborted: str | None = None
+        self.state = OPEN
+        self.aborted: str | None = None           # why it broke (set with the move to BROKEN)
         self.failure: CommError | None = None     # the error that broke the transport
         self.partial: dict[Conn, int] = {}        # bytes left of half-sent frames
         self.lock = threading.Lock()              # held by exchange and by the ABORT sender
-        self.abort_sent = False
-        self.closed = False
         self.wake_r, self.wake_w = os.pipe()      # wakes an exchange when abort() is called
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         self.tasks = spin.RunnableTasks()         # whether a step may poll (transport/spin.py)
+
+    def move(self, to: str) -> bool:
+        """Go to state ``to`` if the table allows it from here; whether it did."""
+        if to not in MOVES[self.state]:
+            return False
+        self.state = to
+        return True
+
+    def broken(self, reason: str) -> None:
+        """Keep the first reason; OPEN -> BROKEN."""
+        if self.aborted is None:
+            self.aborted = reason
+        self.move(BROKEN)
 
 
 LIVE: "weakref.WeakSet[FailureHandling]" = weakref.WeakSet()  # transports not yet closed
@@ -86,8 +106,7 @@ class FailureHandling:
     def _failed(self, exc: CommError, sends: dict[int, "SendState"]) -> None:
         if self._shared.failure is None:
             self._shared.failure = exc
-        if self._shared.aborted is None:
-            self._shared.aborted = str(exc)
+        self._shared.broken(str(exc))
         self._shared.partial = {self.conns[p]: q.partial() for p, q in sends.items() if q.partial()}
 
     # -- watching connections a step does not use ----------------------------------------
@@ -197,10 +216,9 @@ class FailureHandling:
         Called from another thread while an exchange runs, it wakes that exchange (which
         then fails) and sends once the exchange has let go of the sockets.
         """
-        if self._shared.closed:
+        if self._shared.state is CLOSED:
             return
-        if self._shared.aborted is None:
-            self._shared.aborted = reason
+        self._shared.broken(reason)
         try:
             os.write(self._shared.wake_w, b"x")
         except OSError:
@@ -214,11 +232,10 @@ class FailureHandling:
 
     def sever(self, reason: str) -> None:
         """Fault injection: drop every connection with no ABORT and no BYE (a crash, to peers)."""
-        if self._shared.closed:
+        if self._shared.state is CLOSED:
             return
-        if self._shared.aborted is None:
-            self._shared.aborted = reason
-        self._shared.abort_sent = True
+        self._shared.broken(reason)
+        self._shared.move(SILENT)
         try:
             os.write(self._shared.wake_w, b"x")
         except OSError:
@@ -226,9 +243,8 @@ class FailureHandling:
         self._shutdown_all()
 
     def _send_abort(self, reason: str) -> None:
-        if self._shared.abort_sent or self._shared.closed:
+        if not self._shared.move(SILENT):     # told already (or severed, or closed)
             return
-        self._shared.abort_sent = True
         f = self._shared.failure
         if f is None:
             me = self._rank_of(self.rank)
@@ -281,12 +297,13 @@ class FailureHandling:
                 pass
 
     def close(self) -> None:
-        if self._shared.closed or not self._owner:
+        if self._shared.state is CLOSED or not self._owner:
             return
         locked = self._shared.lock.acquire(timeout=1.0)  # an exchange still running fails on EBADF
         try:
-            self._shared.closed = True
-            if self.aborted is None:
+            said_goodbye = self._shared.state is OPEN
+            self._shared.move(CLOSED)
+            if said_goodbye:
                 bye = control_frame(BYE)
                 for c in self.conns.values():
                     try:

@@ -45,6 +45,7 @@ from pycoll.transport.frames import control_reason, encoded_header, next_frame
 from pycoll.transport.tcp.conn import IOV_BATCH, READ_AHEAD, Conn, RecvState, SendState
 from pycoll.transport.tcp.failure import (
     ABORT_GRACE,
+    CLOSED,
     DEAD_PEER_GRACE,
     LIVE,
     MAX_PAD,
@@ -119,7 +120,7 @@ class TcpTransport(FailureHandling, Transport):
                  what: str) -> None:
         if self.aborted is not None:
             raise self._aborted_error(what)
-        if self._shared.closed:
+        if self._shared.state is CLOSED:
             me = self._rank_of(self.rank)
             raise CommError(f"{what}: rank {me}'s TCP transport is closed", rank=me)
         sends: dict[int, SendState] = {}

@@ -174,3 +174,25 @@ def test_eight_generations_of_shrink_and_grow_leave_nothing_behind():
         assert fds[-1] <= fds[1] and threads[-1] <= threads[1], seen
         assert maps[-1] <= maps[1], seen
         assert rss[-1] - rss[1] <= 5 << 20, [r >> 20 for r in rss]
+
+
+def _reuse_by_a_newcomer(rank, world):
+    """Processes 0 and 1 used uuid 1; process 2, which never did, is handed it too."""
+    store = _init(rank, world if rank < 2 else 3, enable_reconfigure=True)
+    if rank < 2:
+        dist._reconfigure(1, _meet(store, "h1", rank, [0, 1]))
+    store.add("first done", 1)
+    while store.add("first done", 0) < world:
+        time.sleep(0.005)
+    try:
+        dist._reconfigure(1, _meet(store, "h2", rank, range(world)), timeout=timedelta(seconds=10))
+        out = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out = str(exc)
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_reused_uuid_is_refused_by_members_and_newcomers_alike():
+    res = run_ranks(_reuse_by_a_newcomer, 3, timeout=90)
+    assert all("uuid 1 was already used" in r for r in res), res

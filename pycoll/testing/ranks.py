@@ -25,6 +25,8 @@ import time
 import traceback
 from datetime import timedelta
 
+from pycoll.testing.spawn import environ
+
 # The launcher's channel to its ranks, not a setting (the leading underscore keeps it out of
 # the PYCOLL_* settings table): the address of the run's Store.
 STORE_ENV = "_PYCOLL_RANK_STORE"
@@ -49,51 +51,42 @@ def _worker_main(conn) -> None:
         if msg is None:
             return
         fn, rank, world, args, backend, port, env, timeout_s = msg
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        os.environ[STORE_ENV] = f"127.0.0.1:{port}"
-        try:
-            if backend is not None:
-                try:
-                    import pycoll  # noqa: F401  registers the backend
-                except ImportError:
-                    pass
-                store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
-                                      timeout=timedelta(seconds=timeout_s))
-                dist.init_process_group(backend, rank=rank, world_size=world, store=store,
-                                        timeout=timedelta(seconds=timeout_s))
+        with environ({**env, STORE_ENV: f"127.0.0.1:{port}"}):
             try:
-                result = fn(rank, world, *args)
-            finally:
-                if backend is not None and dist.is_initialized():
-                    dist.destroy_process_group()
-                # (a failed init leaves torch's group count advanced: a hang at the next init)
-                torch_compat.reset_group_count()
-                # Free the test's objects here, on the main thread: a garbage collection that
-                # a backend's own thread runs later could free a gloo group there, whose
-                # destructor then joins the thread it runs on (std::terminate, EDEADLK).
-                gc.collect()
-            left = pycoll_memory() if backend is not None else []
-            end = time.monotonic() + 2.0
-            while left and time.monotonic() < end:
-                # (a pycoll thread, e.g. a future callback's, may still be dropping its last
-                # reference to a buffer as the group goes: a moment, not a leak)
-                time.sleep(0.02)
-                gc.collect()
-                left = pycoll_memory()
-            if left:   # the group is gone: so must be every piece of shared memory it mapped
-                raise AssertionError(f"rank {rank}: the destroyed group left pycoll's shared memory "
-                                     f"mapped or open: {left}")
-            conn.send(("ok", result))
-        except BaseException:  # noqa: BLE001 - everything goes back to the parent
-            conn.send(("err", traceback.format_exc()))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            os.environ.pop(STORE_ENV, None)
+                if backend is not None:
+                    try:
+                        import pycoll  # noqa: F401  registers the backend
+                    except ImportError:
+                        pass
+                    store = dist.TCPStore("127.0.0.1", port, world, is_master=False,
+                                          timeout=timedelta(seconds=timeout_s))
+                    dist.init_process_group(backend, rank=rank, world_size=world, store=store,
+                                            timeout=timedelta(seconds=timeout_s))
+                try:
+                    result = fn(rank, world, *args)
+                finally:
+                    if backend is not None and dist.is_initialized():
+                        dist.destroy_process_group()
+                    # (a failed init leaves torch's group count advanced: a hang at the next init)
+                    torch_compat.reset_group_count()
+                    # Free the test's objects here, on the main thread: a garbage collection that
+                    # a backend's own thread runs later could free a gloo group there, whose
+                    # destructor then joins the thread it runs on (std::terminate, EDEADLK).
+                    gc.collect()
+                left = pycoll_memory() if backend is not None else []
+                end = time.monotonic() + 2.0
+                while left and time.monotonic() < end:
+                    # (a pycoll thread, e.g. a future callback's, may still be dropping its last
+                    # reference to a buffer as the group goes: a moment, not a leak)
+                    time.sleep(0.02)
+                    gc.collect()
+                    left = pycoll_memory()
+                if left:   # the group is gone: so must be every piece of shared memory it mapped
+                    raise AssertionError(f"rank {rank}: the destroyed group left pycoll's shared memory "
+                                         f"mapped or open: {left}")
+                conn.send(("ok", result))
+            except BaseException:  # noqa: BLE001 - everything goes back to the parent
+                conn.send(("err", traceback.format_exc()))
 
 
 def memfd_maps(name: str = "pycoll-") -> list[str]:

@@ -33,7 +33,8 @@ def _entry(target, rank: int, world: int, port: int, args: tuple, out) -> None:
 
 
 @contextlib.contextmanager
-def _environ(env: dict | None):
+def environ(env: dict | None):
+    """``env`` set in os.environ for the block, the earlier values back after it."""
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})
     try:
@@ -63,7 +64,7 @@ def run(target, world: int, *args, timeout: float = 1800, context: str = "spawn"
     out = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(target, r, world, store.port, args, out), daemon=daemon)
              for r in range(world)]
-    with _environ(env):
+    with environ(env):
         for proc in procs:
             proc.start()
     results: list = [None] * world

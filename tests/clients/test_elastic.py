@@ -40,62 +40,13 @@ def test_reinit_on_one_store_reads_no_old_keys(transport):
     assert res == [[1.0, 3.0, 5.0]] * 2
 
 
-ELASTIC_SCRIPT = textwrap.dedent('''
-    import os, sys
-    import torch, torch.distributed as dist
-    import pycoll
-    ck = sys.argv[1]
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
-    dist.init_process_group("pycoll")
-    rank = dist.get_rank()
-    w, start = torch.zeros(4), 0
-    if os.path.exists(ck):
-        state = torch.load(ck)
-        w, start = state["w"], state["step"]
-    for step in range(start, 8):
-        g = torch.ones(4) * (rank + 1)
-        dist.all_reduce(g)
-        w += g
-        if rank == 0:
-            torch.save({"w": w, "step": step + 1}, ck + ".tmp")
-            os.replace(ck + ".tmp", ck)
-        dist.barrier()
-        if attempt == 0 and step == 3 and rank == 1:
-            os._exit(3)                          # a rank dies; torchrun restarts the job
-    print(f"done rank={rank} attempt={attempt} w={w[0].item()}", flush=True)
-    dist.destroy_process_group()
-''')
-
-
-def _rendezvous_store():
-    """A Store on a port the OS picks, for torchrun's c10d rendezvous: its agents find a
-    server at the endpoint and join it as clients (no port chosen in advance)."""
-    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=120))
-
-
-def test_torchrun_elastic_restart_resumes_on_the_first_restart(tmp_path):
-    script = tmp_path / "train.py"
-    script.write_text(ELASTIC_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYCOLL_", "MASTER_", "RANK", "WORLD"))}
-    env["OMP_NUM_THREADS"] = "1"
-    for run in range(2):
-        ck = tmp_path / f"ck{run}"
-        proc = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
-             "--standalone", str(script), str(ck)],
-            capture_output=True, text=True, timeout=120, env=env)
-        done = sorted(re.findall(r"done rank=(\d) attempt=(\d) w=([\d.]+)", proc.stdout))
-        assert proc.returncode == 0 and done == [("0", "1", "24.0"), ("1", "1", "24.0")], \
-            (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
-
-
-# Rank 1 exits once (a marker file says it did). Its node's agent restarts it and counts a
+# The job of both tests. Rank 1 exits once (a marker file says it did). On one host torchrun
+# restarts both workers and counts a restart. On two nodes, rank 1's agent restarts it and counts a
 # restart; the other node's agent restarts its healthy worker because a node is waiting and
 # counts none: the two workers of the next attempt have different TORCHELASTIC_RESTART_COUNT.
 # With a slow exit the survivor lingers after its error, so its agent always sees the waiting
 # node first (the case that hung every time when the generation was the restart count).
-TWO_NODE_SCRIPT = textwrap.dedent('''
+TRAIN_SCRIPT = textwrap.dedent('''
     import os, sys, time
     from datetime import timedelta
     import torch, torch.distributed as dist
@@ -127,12 +78,38 @@ TWO_NODE_SCRIPT = textwrap.dedent('''
 ''')
 
 
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYCOLL_", "MASTER_", "RANK", "WORLD"))}
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _rendezvous_store():
+    """A Store on a port the OS picks, for torchrun's c10d rendezvous: its agents find a
+    server at the endpoint and join it as clients (no port chosen in advance)."""
+    return dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                         timeout=timedelta(seconds=120))
+
+
+def test_torchrun_elastic_restart_resumes_on_the_first_restart(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN_SCRIPT)
+    for run in range(2):
+        proc = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+             "--standalone", str(script), str(tmp_path / f"ck{run}"), str(tmp_path / f"marker{run}"), "0"],
+            capture_output=True, text=True, timeout=120, env=_env())
+        done = sorted(re.findall(r"done rank=(\d) attempt=(\d) w=([\d.]+)", proc.stdout))
+        assert proc.returncode == 0 and done == [("0", "1", "24.0"), ("1", "1", "24.0")], \
+            (proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+
+
+
+
 @pytest.mark.parametrize("slow_exit", [0.0, 3.0])
 def test_two_node_restart_with_different_restart_counts_finishes(tmp_path, slow_exit):
     script = tmp_path / "train.py"
-    script.write_text(TWO_NODE_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYCOLL_", "MASTER_", "RANK", "WORLD"))}
-    env["OMP_NUM_THREADS"] = "1"
+    script.write_text(TRAIN_SCRIPT)
     rdzv = _rendezvous_store()
     port = rdzv.port
     nodes = [subprocess.Popen(
@@ -140,7 +117,7 @@ def test_two_node_restart_with_different_restart_counts_finishes(tmp_path, slow_
          "--node-rank", str(n), "--max-restarts", "2", "--rdzv-backend", "c10d",
          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "job", str(script),
          str(tmp_path / "ck"), str(tmp_path / "marker"), str(slow_exit)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for n in range(2)]
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()) for n in range(2)]
     try:
         out = "".join(node.communicate(timeout=180)[0] for node in nodes)
     finally:

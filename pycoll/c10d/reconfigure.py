@@ -40,6 +40,10 @@ from pycoll.errors import PycollError
 PREFIX = "pycoll1"   # the handle format's name and version
 
 
+class ReconfigureError(PycollError):
+    """A reconfigure failed on this rank or another (the message says which and why)."""
+
+
 def versions() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -126,14 +130,15 @@ def run(pg, opts):
     uuid, handles = opts.uuid, opts.handles
     timeout = opts.timeout.total_seconds() if opts.timeout is not None else pg._timeout.total_seconds()
     meet = dist.PrefixStore("pycoll/reconfigure/", pg._base_store)
+    mine = handle_of(pg)
     try:
-        members = plan(uuid, handles, handle_of(pg), pg._uuids)
+        members = plan(uuid, handles, mine, pg._uuids)
     except (TypeError, ValueError) as exc:
         # Refused before any communication; the others are told, so that they fail at once
         # instead of waiting for this rank until their timeout.
         meet.set(f"{uuid}/failed", f"a rank refused the handles: {exc}")
         raise
-    rank, size = members.index(handle_of(pg)), len(members)
+    rank, size = members.index(mine), len(members)
     pg._uuids.add(uuid)                 # tried once, never again (failed or not)
     old = pg._comm
     # Queued and running ops of the old configuration fail now: the others are here, not
@@ -147,9 +152,9 @@ def run(pg, opts):
             comm = Communicator(store, rank, size, timeout, observers=observe.for_group(rank))
     except Exception as exc:
         meet.set(f"{uuid}/failed", f"rank {rank} of the new configuration: {type(exc).__name__}: {exc}")
-        if isinstance(exc, PycollError) and str(exc).startswith("pycoll reconfigure"):
+        if isinstance(exc, ReconfigureError):
             raise
-        raise PycollError(f"pycoll reconfigure: uuid {uuid}, as rank {rank} of {size}: {exc}") from exc
+        raise ReconfigureError(f"pycoll reconfigure: uuid {uuid}, as rank {rank} of {size}: {exc}") from exc
     meet.set(f"{uuid}/done", "1")
     if pg._cuda is not None:
         pg._cuda.close(True)
@@ -175,7 +180,7 @@ def agree(store, uuid: int, members: list[str]) -> None:
         problem = None if first == digest else \
             f"the ranks passed different handles for uuid {uuid} (or it was used before)"
     if problem:
-        raise PycollError(f"pycoll reconfigure: {problem}")
+        raise ReconfigureError(f"pycoll reconfigure: {problem}")
 
 
 def _watch(store, uuid: int, pg, members: list[str], timeout: float):
@@ -191,15 +196,15 @@ def _watch(store, uuid: int, pg, members: list[str], timeout: float):
     def check() -> None:
         if time.monotonic() > deadline:
             missing = [new for new in range(len(members)) if not store.check([f"{uuid}/arrived/{new}"])]
-            raise PycollError(f"pycoll reconfigure: uuid {uuid}: timed out after {timeout:g} s; "
+            raise ReconfigureError(f"pycoll reconfigure: uuid {uuid}: timed out after {timeout:g} s; "
                               f"new ranks that never arrived: {missing or 'none (all arrived)'} "
                               f"(their handles: {[members[r] for r in missing]})")
         if store.check([f"{uuid}/failed"]):
-            raise PycollError(f"pycoll reconfigure: {store.get(f'{uuid}/failed').decode()}")
+            raise ReconfigureError(f"pycoll reconfigure: {store.get(f'{uuid}/failed').decode()}")
         dead = old.p2p.dead_peers() if olds else {}
         for was, new in olds.items():
             if was in dead:
-                raise PycollError(f"pycoll reconfigure: the member at new rank {new} (rank {was} of "
+                raise ReconfigureError(f"pycoll reconfigure: the member at new rank {new} (rank {was} of "
                                   f"the old configuration) has died: its connection {dead[was]}")
     return check
 

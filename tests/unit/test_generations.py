@@ -59,15 +59,16 @@ def test_the_ranks_of_each_init_share_a_fresh_generation(server):
     assert server.check([f"pycoll/g9/joined/{r}" for r in range(1, 5)])
 
 
+def _joiner(server) -> threading.Thread:
+    """Rank 1 of 2 making its group, on a thread of its own."""
+    t = threading.Thread(target=rendezvous.generation_store, args=(_client(server), 1, 2))
+    t.start()
+    return t
+
+
 def test_a_joiner_that_comes_first_waits_for_rank_0_and_ignores_a_sealed_generation(server):
     _generations(server, 2)                           # an earlier attempt: generation 1, sealed
-    out = {}
-
-    def joiner():
-        out["gen"] = rendezvous.generation_store(_client(server), 1, 2)
-
-    t = threading.Thread(target=joiner)
-    t.start()
+    t = _joiner(server)
     time.sleep(0.3)                                   # the joiner is waiting, not joined to 1
     assert t.is_alive() and server.add("pycoll/g1/joined/1", 0) == 1   # only generation 1's own join
     rendezvous.generation_store(_client(server), 0, 2)
@@ -80,15 +81,9 @@ def test_a_joiner_of_a_generation_whose_leader_died_moves_to_the_next(server):
     server.add("pycoll/generations", 1)
     server.set("pycoll/current", "1")
     server.set("pycoll/g1/leader", "dead")
-    out = {}
-
-    def joiner():
-        out["prefix"] = rendezvous.generation_store(_client(server), 1, 2)
-
-    t = threading.Thread(target=joiner)
-    t.start()
-    time.sleep(0.3)
-    assert server.check(["pycoll/g1/joined/1"]) and t.is_alive()   # joined the dead one, waiting
+    t = _joiner(server)
+    server.wait(["pycoll/g1/joined/1"])               # it joined the dead one...
+    assert t.is_alive()                               # ...and waits for its seal
     rendezvous.generation_store(_client(server), 0, 2)              # the new attempt's rank 0
     t.join(10)
     assert not t.is_alive() and server.check(["pycoll/g2/sealed", "pycoll/g2/joined/1"])

@@ -60,21 +60,13 @@ def test_lightning_ddp_strategy_by_name(tmp_path):
     _same(tmp_path, tmp_path / "pycoll_out.json", tmp_path / "gloo_out.json")
 
 
-@_needs("accelerate")
-def test_accelerate_with_the_group_made_first(tmp_path):
+@pytest.mark.parametrize("script", [pytest.param("accelerate_cpu.py", marks=_needs("accelerate")),
+                                    pytest.param("hf_trainer.py", marks=_needs("transformers"))])
+def test_accelerate_and_the_hf_trainer_with_the_group_made_first(tmp_path, script):
     for mode in ("pycoll", "gloo"):
-        _torchrun("accelerate_cpu.py", mode, tmp_path / f"{mode}_out.json", tmp_path)
+        _torchrun(script, mode, tmp_path / f"{mode}_out.json", tmp_path)
     _same(tmp_path, tmp_path / "pycoll_out.json", tmp_path / "gloo_out.json")
-    refusal = _torchrun("accelerate_cpu.py", "by-name", tmp_path / "none_out.json", tmp_path)
-    assert "RESULT Your assigned backend pycoll is not available, please use gloo" in refusal
-
-
-@_needs("transformers")
-def test_hf_trainer_with_the_group_made_first(tmp_path):
-    for mode in ("pycoll", "gloo"):
-        _torchrun("hf_trainer.py", mode, tmp_path / f"{mode}_out.json", tmp_path)
-    _same(tmp_path, tmp_path / "pycoll_out.json", tmp_path / "gloo_out.json")
-    refusal = _torchrun("hf_trainer.py", "by-name", tmp_path / "none_out.json", tmp_path)
+    refusal = _torchrun(script, "by-name", tmp_path / "none_out.json", tmp_path)
     assert "RESULT Your assigned backend pycoll is not available, please use gloo" in refusal
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import logging
 import threading
 import time
@@ -374,6 +375,11 @@ _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 @atexit.register
 def _shutdown_at_exit() -> None:
+    # Collect cycles now, while the interpreter is whole: a torch DDP model in a cycle (as
+    # Accelerate's prepared objects are) holds its pycoll group from C++, and freeing that
+    # group at finalization's own collection runs Python in a half-torn-down interpreter
+    # (seen as "terminate called without an active exception" at exit, docs/faults.md).
+    gc.collect()
     for comm in list(_LIVE):
         busy = comm._running or bool(comm._queue)
         try:

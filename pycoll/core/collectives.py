@@ -42,7 +42,8 @@ def all_reduce_task(comm, t: torch.Tensor, red: Reduction):
     """The task that all-reduces flat ``t``: ``all_reduce`` bound to its arguments, or, for a
     message that one shared-memory round holds, ``small_all_reduce``: the latency path,
     chosen here once so that running it costs two Python frames and their checks fewer."""
-    if comm.mode == "shm" and red.factor is None and shm.is_small_all_reduce(comm.arena, t, red):
+    if (comm.mode == "shm" and red.factor is None and shm.is_small_all_reduce(comm.arena, t, red)
+            and not (comm.heap is not None and registered.wants_lookup(t))):   # (in place instead)
         return functools.partial(_small_all_reduce_step, comm.arena, t, red)
     return functools.partial(all_reduce, comm, t, red)
 

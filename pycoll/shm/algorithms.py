@@ -6,8 +6,9 @@ Every collective runs in rounds over the double-buffered staging slots of an ``S
 k only between round k's first barrier and its own next barrier, and writes a slot half
 only after a barrier of the round before; so no write can overtake a peer's read.
 
-- all_reduce, small (<= ONE_SHOT_BYTES): each rank writes its input, one barrier, each rank
-  reduces all inputs in rank order (bitwise the same result everywhere). 1 barrier a round.
+- all_reduce, small (``one_shot_bytes``: 64 KiB, 512 KiB for two ranks): each rank writes its
+  input, one barrier, each rank reduces all inputs in rank order (bitwise the same result
+  everywhere). 1 barrier a round.
 - all_reduce, two ranks, larger: each stages the half its peer reduces, reduces its own half
   into its output, publishes it, copies the peer's half out: half the reduction work of the
   one-shot form and 4.5 bytes moved per byte against 5, for a second barrier a round.
@@ -40,6 +41,7 @@ from pycoll.core.reductions import Reduction
 from pycoll.shm.rounds import (
     ONE_SHOT_BYTES,
     Barriers,
+    one_shot_bytes,
     rounds,
 )
 from pycoll.errors import MismatchError
@@ -68,7 +70,7 @@ def all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline
     n, dt = t.numel(), t.dtype
     barrier = Barriers(arena, words, deadline, what)
     L, me = arena.size, arena.me
-    if L == 2 and n * dt.itemsize > ONE_SHOT_BYTES:
+    if L == 2 and n * dt.itemsize > min(one_shot_bytes(L), arena.slot_bytes):
         return _all_reduce_pair(arena, t, red, barrier)
     if L <= 2 or n * dt.itemsize <= min(ONE_SHOT_BYTES, arena.slot_bytes):
         # One-shot rounds (small messages without a numpy kernel, or one rank): every rank
@@ -104,7 +106,7 @@ def is_small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction) -> boo
     """Whether all_reduce of ``t`` takes the one-round numpy form (small_all_reduce)."""
     n, dt = t.numel(), t.dtype
     nbytes = n * dt.itemsize
-    return _numpy_reduces(red, n, dt) and nbytes <= ONE_SHOT_BYTES and nbytes <= arena.slot_bytes
+    return _numpy_reduces(red, n, dt) and nbytes <= min(one_shot_bytes(arena.size), arena.slot_bytes)
 
 
 def small_all_reduce(arena: ShmArena, t: torch.Tensor, red: Reduction, words, deadline: float,

@@ -17,9 +17,18 @@ from pycoll import wire
 from pycoll.shm.arena import ShmArena
 
 ONE_SHOT_BYTES = 64 << 10   # all_reduce in one round, each rank reducing all inputs, up to this
+# Two ranks stay one-shot longer: the staged-half form saves half the reduction for a second
+# barrier, and a barrier costs more than 512 KiB of reduction as soon as a peer may wait for
+# a core (docs/performance.md, "One barrier up to 512 KiB on two ranks").
+PAIR_ONE_SHOT_BYTES = 512 << 10
 # Word values of torch dtypes: a dict lookup by dtype on the latency path (no name formatting).
 _DTYPE_WORD = {getattr(torch, name): i for i, name in enumerate(wire.DTYPES)}
 _OP_WORD, _REDOP_WORD = wire.OP_WORD, wire.REDOP_WORD
+
+
+def one_shot_bytes(size: int) -> int:
+    """The largest all_reduce that ``size`` local ranks run in one round of one barrier."""
+    return PAIR_ONE_SHOT_BYTES if size == 2 else ONE_SHOT_BYTES
 
 
 def signature(op: str, seq: int, dtype: torch.dtype, numel: int, redop: str = "", root: int = -1,
@@ -96,6 +105,6 @@ def round_bytes(words, rnd: int, slot_bytes: int, size: int) -> int | None:
     if op in ("reduce_scatter", "all_to_all"):
         return None     # per-rank counts travel only as a hash
     cap = slot_bytes // isz // (size if op == "scatter" else 1)
-    if op == "all_reduce" and numel * isz <= min(ONE_SHOT_BYTES, slot_bytes):
+    if op == "all_reduce" and numel * isz <= min(one_shot_bytes(size), slot_bytes):
         cap = numel
     return max(0, min(cap, numel - (rnd - 1) * cap)) * isz

@@ -1,7 +1,7 @@
 """TCP transport, per connection: one peer's socket with its read-ahead buffer, and the
 per-peer progress of a step's sends and receives.
 
-Used by ``tcp.TcpTransport`` (the data path), ``tcp_failure`` (ABORT/BYE, error texts)
+Used by ``tcp.transport`` (the data path), ``tcp.failure`` (ABORT/BYE, error texts)
 and ``p2p`` (which reads frames from ``Conn`` the same way). Nothing here blocks: reads
 return 0 when the socket would block, and end of stream raises ``EOFError``.
 """

@@ -14,8 +14,11 @@ connections, the errors a step raises, and abort/sever/close.
   without BYE or ABORT means the peer died; on a connection this step does not use it is
   acted on after ``DEAD_PEER_GRACE`` seconds, in case the step completes without that peer.
 
-``FailureHandling`` is a base class of ``tcp.TcpTransport``: its methods use the
-transport's ``rank``, ``conns``, ``_shared`` (a ``SharedState``), ``_rank_of`` and ``aborted``.
+``Lifecycle`` is what a transport and its subsets (a hierarchy's host leaders) share: the
+connections, the sockets' lock, the state in one table, the failure; and the three ways that
+life ends (``abort``, ``sever``, ``close``). Watching a connection and forming a step's errors
+are functions of the connection and the group ranks they name; ``tcp.transport`` (the data
+path) holds a ``Lifecycle`` and calls them.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from pycoll.errors import (
 from pycoll.transport import spin
 from pycoll.transport.base import control_error, death_error, timeout_error
 from pycoll.transport.frames import control_reason, frames, garbage, next_frame
-from pycoll.transport.tcp.conn import READ_AHEAD, Conn, RecvState, SendState
+from pycoll.transport.tcp.conn import READ_AHEAD, Conn, RecvState
 from pycoll.wire import (
     ABORT,
     BYE,
@@ -58,11 +61,25 @@ MAX_PAD = 64 << 20        # a half-sent frame longer than this is not completed:
 OPEN, BROKEN, SILENT, CLOSED = "open", "broken", "silent", "closed"
 MOVES = {OPEN: {BROKEN, SILENT, CLOSED}, BROKEN: {SILENT, CLOSED}, SILENT: {CLOSED}, CLOSED: set()}
 
+LIVE: "weakref.WeakSet[Lifecycle]" = weakref.WeakSet()  # transports not yet closed
 
-class SharedState:
-    """What a transport and its subsets share: the sockets' lock, its state and the failure."""
 
-    def __init__(self) -> None:
+@atexit.register
+def _close_at_exit() -> None:
+    """A script that exits without destroy_process_group still says goodbye to its peers."""
+    for life in list(LIVE):
+        try:
+            life.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass
+
+
+class Lifecycle:
+    """The connections of a transport (``conns``: peer -> Conn, all of them), their state and
+    the failure that broke them; ``me`` is this rank's group rank (ABORT frames name it)."""
+
+    def __init__(self, me: int, conns: dict[int, Conn]) -> None:
+        self.me, self.conns = me, conns
         self.state = OPEN
         self.aborted: str | None = None           # why it broke (set with the move to BROKEN)
         self.failure: CommError | None = None     # the error that broke the transport
@@ -72,6 +89,7 @@ class SharedState:
         os.set_blocking(self.wake_r, False)
         os.set_blocking(self.wake_w, False)
         self.tasks = spin.RunnableTasks()         # whether a step may poll (transport/spin.py)
+        LIVE.add(self)
 
     def move(self, to: str) -> bool:
         """Go to state ``to`` if the table allows it from here; whether it did."""
@@ -86,177 +104,60 @@ class SharedState:
             self.aborted = reason
         self.move(BROKEN)
 
+    def failed(self, exc: CommError, partial: dict[Conn, int]) -> None:
+        """A step failed with ``exc``, leaving ``partial`` (conn -> bytes left of a half-sent
+        frame) for the ABORT frames to complete first."""
+        if self.failure is None:
+            self.failure = exc
+        self.broken(str(exc))
+        self.partial = partial
 
-LIVE: "weakref.WeakSet[FailureHandling]" = weakref.WeakSet()  # transports not yet closed
-
-
-@atexit.register
-def _close_at_exit() -> None:
-    """A script that exits without destroy_process_group still says goodbye to its peers."""
-    for t in list(LIVE):
-        try:
-            t.close()
-        except Exception:  # noqa: BLE001 - best effort at exit
-            pass
-
-
-class FailureHandling:
-    """What a TCP transport does when something goes wrong, and how it says goodbye."""
-
-    def _failed(self, exc: CommError, sends: dict[int, "SendState"]) -> None:
-        if self._shared.failure is None:
-            self._shared.failure = exc
-        self._shared.broken(str(exc))
-        self._shared.partial = {self.conns[p]: q.partial() for p, q in sends.items() if q.partial()}
-
-    # -- watching connections a step does not use ----------------------------------------
-    def _peek(self, conn: Conn, what: str) -> None:
-        """A peer this step does not receive from sent something: if it is a frame of this
-        collective that does not match it, or of an earlier one, the ranks called different
-        collectives (e.g. all_reduce here, broadcast there, each waiting for the other)."""
-        try:
-            conn.fill()
-        except EOFError:
-            return self._inspect(conn, what)
-        except OSError:
-            return
-        peer = conn.peer
-        nxt = next_frame(conn, self._rank_of(self.rank), self._rank_of(peer), what)
-        if nxt is None:
-            return
-        got = nxt.header
-        if got.kind != DATA:
-            return self._inspect(conn, what)
-        cur = self._cur
-        if cur is not None and got.sig != cur and got.sig.seq <= cur.seq:
-            raise MismatchError(
-                f"collective mismatch: rank {self._rank_of(self.rank)} called {cur.describe()} but rank "
-                f"{self._rank_of(peer)} called {got.sig.describe()}", op=cur.op, seq=cur.seq,
-                rank=self._rank_of(self.rank), peer=self._rank_of(peer))
-
-    def _inspect(self, conn: Conn, what: str) -> None:
-        """A connection this step does not use hung up: find out why, without consuming.
-
-        Frames already read ahead stay for later steps. An ABORT raises now; a BYE means the
-        peer left cleanly; a bare end of stream starts the dead-peer grace period. When the
-        read-ahead buffer fills before the end can be seen, it is left to the step that
-        reads this connection.
-        """
-        conn.watch = False
-        try:
-            while not conn.eof and not (conn.rpos == 0 and conn.rend == len(conn.rbuf)):
-                if conn.fill() == 0:
-                    break
-        except EOFError:
-            pass
-        except OSError:
-            conn.eof = True
-        peer = conn.peer
-        try:   # the first control frame read ahead, past the data frames before it
-            ctrl = next((f for f in frames(conn.rbuf, conn.rpos, conn.rend) if f.header.kind != DATA), None)
-        except ProtocolError as exc:
-            raise garbage(self._rank_of(self.rank), self._rank_of(peer), what, exc) from None
-        if ctrl is not None:
-            if ctrl.header.kind == BYE:
-                conn.bye = True
-                return
-            reason = control_reason(conn.rbuf, ctrl, conn.rend, conn.eof)
-            if reason is not None:
-                raise control_error(ctrl.header, reason, self._rank_of(self.rank), self._rank_of(peer), what)
-        if conn.eof and not conn.bye:
-            conn.eof_at = time.monotonic()
-
-    # -- errors --------------------------------------------------------------------------
-    def _aborted_error(self, what: str) -> PeerClosedError:
-        f = self._shared.failure
-        exc = PeerClosedError(f"{what}: rank {self._rank_of(self.rank)}: process group was aborted ({self.aborted})",
-                              rank=self._rank_of(self.rank), peer=f.peer if f is not None else -1)
-        if f is not None:
-            exc.origin, exc.root_cause = f.origin, f.root_cause
-        return exc
-
-    def _eof_error(self, peer: int, what: str, st: RecvState | None) -> PeerClosedError:
-        where = ""
-        if st is not None and st.total:
-            where = (f" (it had sent {st.done + (st.off if st.cur is not None else 0)} of "
-                     f"{st.total} bytes of this step)")
-        me, them = self._rank_of(self.rank), self._rank_of(peer)
-        return death_error(what, me, them, f"closed its connection to rank {me} without a goodbye: rank "
-                                           f"{them} died (killed or crashed) or lost its network{where}")
-
-    def _reset_error(self, peer: int, what: str, err: OSError) -> PeerClosedError:
-        exc = PeerClosedError(f"{what}: the connection from rank {self._rank_of(self.rank)} to rank "
-                              f"{self._rank_of(peer)} failed "
-                              f"({err.strerror or err}): rank {self._rank_of(peer)} died or aborted",
-                              rank=self._rank_of(self.rank), peer=self._rank_of(peer))
-        exc.origin = self._rank_of(peer)
-        return exc
-
-    def _timeout(self, sends: dict, recvs: dict, what: str) -> CommTimeoutError:
-        parts = []
-        for peer, st in recvs.items():
-            got = st.done + (st.off if st.cur is not None else 0)
-            f = st.cur or (st.frames[0] if st.frames else None)
-            detail = ""
-            if f is not None:
-                done = st.off if st.cur is not None else 0
-                detail = (f" (frame step {f.expect.step} segment {f.expect.seg}: {done} of "
-                          f"{len(f.dest)} bytes, {len(st.frames)} more frames)")
-            parts.append(f"received {got} of {st.total} bytes from rank {self._rank_of(peer)}{detail}")
-        for peer, q in sends.items():
-            parts.append(f"rank {self._rank_of(peer)} has not yet accepted {q.left()} of "
-                         f"{sum(len(b) for b in q.bufs)} bytes sent to it")
-        peer = next(iter(recvs), next(iter(sends), -1))
-        return timeout_error(what, self._rank_of(self.rank), self._rank_of(peer), "", parts)
-
-    # -- lifecycle ---------------------------------------------------------------------
     def abort(self, reason: str) -> None:
         """Tell every peer why this rank stops (ABORT frame), then shut every socket down.
 
         Called from another thread while an exchange runs, it wakes that exchange (which
         then fails) and sends once the exchange has let go of the sockets.
         """
-        if self._shared.state is CLOSED:
+        if self.state is CLOSED:
             return
-        self._shared.broken(reason)
-        try:
-            os.write(self._shared.wake_w, b"x")
-        except OSError:
-            pass
-        if self._shared.lock.acquire(timeout=2 * ABORT_GRACE + 1.0):
+        self.broken(reason)
+        self._wake()
+        if self.lock.acquire(timeout=2 * ABORT_GRACE + 1.0):
             try:
                 self._send_abort(reason)
             finally:
-                self._shared.lock.release()
+                self.lock.release()
         self._shutdown_all()
 
     def sever(self, reason: str) -> None:
         """Fault injection: drop every connection with no ABORT and no BYE (a crash, to peers)."""
-        if self._shared.state is CLOSED:
+        if self.state is CLOSED:
             return
-        self._shared.broken(reason)
-        self._shared.move(SILENT)
-        try:
-            os.write(self._shared.wake_w, b"x")
-        except OSError:
-            pass
+        self.broken(reason)
+        self.move(SILENT)
+        self._wake()
         self._shutdown_all()
 
+    def _wake(self) -> None:
+        try:
+            os.write(self.wake_w, b"x")
+        except OSError:
+            pass
+
     def _send_abort(self, reason: str) -> None:
-        if not self._shared.move(SILENT):     # told already (or severed, or closed)
+        if not self.move(SILENT):     # told already (or severed, or closed)
             return
-        f = self._shared.failure
+        f = self.failure
         if f is None:
-            me = self._rank_of(self.rank)
-            frame = control_frame(ABORT, f"rank {me}: {reason}", me, "PeerClosedError")
+            frame = control_frame(ABORT, f"rank {self.me}: {reason}", self.me, "PeerClosedError")
         else:
-            origin = f.origin if f.origin >= 0 else self._rank_of(self.rank)
+            origin = f.origin if f.origin >= 0 else self.me
             frame = control_frame(ABORT, f.root_cause or str(f), origin, type(f).__name__)
         out: dict[int, list] = {}
         for peer, conn in self.conns.items():
             if conn.eof or conn.bye:
                 continue
-            pad = self._shared.partial.get(conn, 0)
+            pad = self.partial.get(conn, 0)
             if pad > MAX_PAD or pad < 0:   # (-1: interrupted mid-send, the stream's place unknown)
                 continue
             out[peer] = [memoryview(bytes(pad)), memoryview(frame)] if pad else [memoryview(frame)]
@@ -297,12 +198,13 @@ class FailureHandling:
                 pass
 
     def close(self) -> None:
-        if self._shared.state is CLOSED or not self._owner:
+        """Say goodbye (BYE, when still OPEN) and close every socket; at most once."""
+        if self.state is CLOSED:
             return
-        locked = self._shared.lock.acquire(timeout=1.0)  # an exchange still running fails on EBADF
+        locked = self.lock.acquire(timeout=1.0)  # an exchange still running fails on EBADF
         try:
-            said_goodbye = self._shared.state is OPEN
-            self._shared.move(CLOSED)
+            said_goodbye = self.state is OPEN
+            self.move(CLOSED)
             if said_goodbye:
                 bye = control_frame(BYE)
                 for c in self.conns.values():
@@ -323,10 +225,114 @@ class FailureHandling:
                     pass
                 c.sock.close()
             self.conns = {}
-            os.close(self._shared.wake_r)
-            os.close(self._shared.wake_w)
-            self._shared.tasks.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
+            self.tasks.close()
         finally:
             if locked:
-                self._shared.lock.release()
+                self.lock.release()
         LIVE.discard(self)
+
+
+# -- watching connections a step does not use ------------------------------------------------
+def peek(conn: Conn, cur, what: str, me: int, them: int) -> None:
+    """A peer this step does not receive from (group rank ``them``) sent something: if it is a
+    frame of this collective (signature ``cur``) that does not match it, or of an earlier
+    one, the ranks called different collectives (e.g. all_reduce here, broadcast there, each
+    waiting for the other)."""
+    try:
+        conn.fill()
+    except EOFError:
+        return inspect(conn, what, me, them)
+    except OSError:
+        return
+    nxt = next_frame(conn, me, them, what)
+    if nxt is None:
+        return
+    got = nxt.header
+    if got.kind != DATA:
+        return inspect(conn, what, me, them)
+    if cur is not None and got.sig != cur and got.sig.seq <= cur.seq:
+        raise MismatchError(
+            f"collective mismatch: rank {me} called {cur.describe()} but rank {them} called "
+            f"{got.sig.describe()}", op=cur.op, seq=cur.seq, rank=me, peer=them)
+
+
+def inspect(conn: Conn, what: str, me: int, them: int) -> None:
+    """A connection this step does not use hung up: find out why, without consuming.
+
+    Frames already read ahead stay for later steps. An ABORT raises now; a BYE means the
+    peer left cleanly; a bare end of stream starts the dead-peer grace period. When the
+    read-ahead buffer fills before the end can be seen, it is left to the step that
+    reads this connection.
+    """
+    conn.watch = False
+    try:
+        while not conn.eof and not (conn.rpos == 0 and conn.rend == len(conn.rbuf)):
+            if conn.fill() == 0:
+                break
+    except EOFError:
+        pass
+    except OSError:
+        conn.eof = True
+    try:   # the first control frame read ahead, past the data frames before it
+        ctrl = next((f for f in frames(conn.rbuf, conn.rpos, conn.rend) if f.header.kind != DATA), None)
+    except ProtocolError as exc:
+        raise garbage(me, them, what, exc) from None
+    if ctrl is not None:
+        if ctrl.header.kind == BYE:
+            conn.bye = True
+            return
+        reason = control_reason(conn.rbuf, ctrl, conn.rend, conn.eof)
+        if reason is not None:
+            raise control_error(ctrl.header, reason, me, them, what)
+    if conn.eof and not conn.bye:
+        conn.eof_at = time.monotonic()
+
+
+# -- the errors a step raises ----------------------------------------------------------------
+def aborted_error(life: Lifecycle, what: str) -> PeerClosedError:
+    """A step on a transport that was aborted (or broke in an earlier step)."""
+    f = life.failure
+    exc = PeerClosedError(f"{what}: rank {life.me}: process group was aborted ({life.aborted})",
+                          rank=life.me, peer=f.peer if f is not None else -1)
+    if f is not None:
+        exc.origin, exc.root_cause = f.origin, f.root_cause
+    return exc
+
+
+def eof_error(what: str, me: int, them: int, st: RecvState | None) -> PeerClosedError:
+    """Rank ``them`` closed its connection with no goodbye (``st``: what this step had of it)."""
+    where = ""
+    if st is not None and st.total:
+        where = (f" (it had sent {st.done + (st.off if st.cur is not None else 0)} of "
+                 f"{st.total} bytes of this step)")
+    return death_error(what, me, them, f"closed its connection to rank {me} without a goodbye: rank "
+                                       f"{them} died (killed or crashed) or lost its network{where}")
+
+
+def reset_error(what: str, me: int, them: int, err: OSError) -> PeerClosedError:
+    exc = PeerClosedError(f"{what}: the connection from rank {me} to rank {them} failed "
+                          f"({err.strerror or err}): rank {them} died or aborted", rank=me, peer=them)
+    exc.origin = them
+    return exc
+
+
+def step_timeout(sends: dict, recvs: dict, what: str, me: int, rank_of) -> CommTimeoutError:
+    """The step's deadline passed: what it still had to receive and send, per peer
+    (``rank_of``: a transport rank's group rank)."""
+    parts = []
+    for peer, st in recvs.items():
+        got = st.done + (st.off if st.cur is not None else 0)
+        f = st.cur or (st.frames[0] if st.frames else None)
+        detail = ""
+        if f is not None:
+            done = st.off if st.cur is not None else 0
+            detail = (f" (frame step {f.expect.step} segment {f.expect.seg}: {done} of "
+                      f"{len(f.dest)} bytes, {len(st.frames)} more frames)")
+        parts.append(f"received {got} of {st.total} bytes from rank {rank_of(peer)}{detail}")
+    for peer, q in sends.items():
+        parts.append(f"rank {rank_of(peer)} has not yet accepted {q.left()} of "
+                     f"{sum(len(b) for b in q.bufs)} bytes sent to it")
+    peer = next(iter(recvs), next(iter(sends), -1))
+    return timeout_error(what, me, rank_of(peer), "", parts)

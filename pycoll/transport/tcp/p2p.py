@@ -32,7 +32,7 @@ from pycoll.errors import CommError, CommTimeoutError, PeerClosedError, Protocol
 from pycoll.transport.base import control_error
 from pycoll.transport.frames import control_reason, next_frame
 from pycoll.transport.tcp.p2p_requests import ANY, Discard, Incoming, Request, size_error, too_big, write
-from pycoll.transport.tcp.transport import Conn
+from pycoll.transport.tcp.conn import Conn
 from pycoll.wire import (
     ABORT,
     BYE,

@@ -19,9 +19,9 @@ answer depends on, is not kept off it by the spin. A peer's answer then costs no
 this VM a wake-up took 50-250 us, which left small all_reduces at 120-300 us in runs where
 blocking ranks woke each other late op after op (docs/performance.md).
 
-Failure handling (ABORT/BYE frames, watching idle connections, error texts, abort, sever
-and close) lives in ``failure``; ``TcpTransport`` inherits it. ``progress()`` says how far
-the step in progress got, per peer (the hang dump asks).
+Failure handling lives in ``failure``: the connections' ``Lifecycle`` (shared with subsets;
+abort, sever and close are its), watching idle connections, and the errors a step raises.
+``progress()`` says how far the step in progress got, per peer (the hang dump asks).
 """
 
 from __future__ import annotations
@@ -42,42 +42,34 @@ from pycoll.transport.base import (
     control_error,
 )
 from pycoll.transport.frames import control_reason, encoded_header, next_frame
-from pycoll.transport.tcp.conn import IOV_BATCH, READ_AHEAD, Conn, RecvState, SendState
-from pycoll.transport.tcp.failure import (
-    ABORT_GRACE,
-    CLOSED,
-    DEAD_PEER_GRACE,
-    LIVE,
-    MAX_PAD,
-    FailureHandling,
-    SharedState,
-)
+from pycoll.transport.tcp.conn import IOV_BATCH, Conn, RecvState, SendState
+from pycoll.transport.tcp import failure
+from pycoll.transport.tcp.failure import CLOSED, DEAD_PEER_GRACE, Lifecycle
 from pycoll.wire import (
     ABORT,
     BYE,
     DATA,
 )
 
-__all__ = ["TcpTransport", "Conn", "READ_AHEAD", "IOV_BATCH", "DEAD_PEER_GRACE", "ABORT_GRACE", "MAX_PAD"]
+__all__ = ["TcpTransport"]
 
 _POLLERR = select.POLLERR | select.POLLHUP | select.POLLNVAL
 _POLLHANGUP = select.POLLRDHUP | _POLLERR
 
 
-class TcpTransport(FailureHandling, Transport):
+class TcpTransport(Transport):
     name = "tcp"
 
     def __init__(self, rank: int, world: int, socks: dict[int, socket.socket]) -> None:
         self.rank, self.world = rank, world
         self.conns = {peer: Conn(s, peer) for peer, s in socks.items()}
         self.ranks = list(range(world))           # group rank of each transport rank
-        self._shared = SharedState()
+        self._life = Lifecycle(rank, self.conns)
         self._owner = True
         self._cur = None  # signature of the collective being exchanged
         self._progress = None   # (sends, receives) still open in the step in progress
         self.spin = 0.0         # seconds a step may poll before it blocks (set by the group)
         self._spins = None      # spin.SpinPolicy over ``spin``, made at the first step
-        LIVE.add(self)
 
     def subset(self, ranks: list[int]) -> "TcpTransport":
         """A transport over some of this one's ranks, renumbered 0..len-1, sharing the
@@ -87,13 +79,27 @@ class TcpTransport(FailureHandling, Transport):
         sub.rank, sub.world = ranks.index(self.rank), len(ranks)
         sub.conns = {i: self.conns[r] for i, r in enumerate(ranks) if r != self.rank}
         sub.ranks = [self.ranks[r] for r in ranks]
-        sub._shared, sub._owner, sub._cur, sub._progress = self._shared, False, None, None
+        sub._life, sub._owner, sub._cur, sub._progress = self._life, False, None, None
         sub.spin, sub._spins = self.spin, None
         return sub
 
     @property
     def aborted(self) -> str | None:
-        return self._shared.aborted
+        return self._life.aborted
+
+    def abort(self, reason: str) -> None:
+        """Tell every peer why this rank stops (ABORT), then shut every connection down."""
+        self._life.abort(reason)
+
+    def sever(self, reason: str) -> None:
+        """Fault injection: drop every connection with no goodbye (a crash, to the peers)."""
+        self._life.sever(reason)
+
+    def close(self) -> None:
+        """Say goodbye and close the connections (a subset leaves that to its parent)."""
+        if self._owner:
+            self._life.close()
+            self.conns = {}
 
     def _rank_of(self, r: int) -> int:
         """The group rank of transport rank ``r`` (they differ in a subset), for messages."""
@@ -119,13 +125,13 @@ class TcpTransport(FailureHandling, Transport):
     def exchange(self, outs: Sequence[OutFrame], ins: Sequence[InFrame], deadline: float,
                  what: str) -> None:
         if self.aborted is not None:
-            raise self._aborted_error(what)
-        if self._shared.state is CLOSED:
+            raise failure.aborted_error(self._life, what)
+        if self._life.state is CLOSED:
             me = self._rank_of(self.rank)
             raise CommError(f"{what}: rank {me}'s TCP transport is closed", rank=me)
         sends: dict[int, SendState] = {}
         try:
-            with self._shared.lock:
+            with self._life.lock:
                 try:
                     self._exchange(outs, ins, deadline, what, sends)
                 except CommError as exc:
@@ -143,8 +149,15 @@ class TcpTransport(FailureHandling, Transport):
         except BaseException:
             # Interrupted mid-step (KeyboardInterrupt, a failing reduction): the streams may
             # stand mid-frame, so this transport must not be used again, and peers must know.
-            self.abort(self._shared.aborted or "interrupted")
+            self.abort(self._life.aborted or "interrupted")
             raise
+
+    def _failed(self, exc: CommError, sends: dict[int, SendState]) -> None:
+        self._life.failed(exc, {self.conns[p]: q.partial() for p, q in sends.items() if q.partial()})
+
+    def _names(self, peer: int) -> tuple[int, int]:
+        """(this rank, ``peer``) as group ranks, for errors."""
+        return self._life.me, self._rank_of(peer)
 
     def _exchange(self, outs, ins, deadline, what, sends) -> None:
         for f in outs:
@@ -176,7 +189,7 @@ class TcpTransport(FailureHandling, Transport):
         peer = -1
         spins = self._spins
         if self.spin and (spins is None or spins.full != self.spin):
-            spins = self._spins = spinning.SpinPolicy(self.spin, self._shared.tasks)
+            spins = self._spins = spinning.SpinPolicy(self.spin, self._life.tasks)
         polling = None if spins is not None else False   # None: decided when a step first waits
         blocked = False
         try:
@@ -189,7 +202,7 @@ class TcpTransport(FailureHandling, Transport):
                 peer = -1
                 if active or recvs:
                     if self.aborted is not None:
-                        raise self._aborted_error(what)
+                        raise failure.aborted_error(self._life, what)
                     if not progressed:
                         # Polling past the grace yields the core at each turn: a thread that
                         # waits for it (the peer's wake-up, or a thread it waits for) runs
@@ -205,7 +218,7 @@ class TcpTransport(FailureHandling, Transport):
                         blocked = True
                         self._wait(active, recvs, deadline, what, peeked)
                     elif time.monotonic() > deadline:
-                        raise self._timeout(active, recvs, what)
+                        raise failure.step_timeout(active, recvs, what, self._life.me, self._rank_of)
             # A step that never blocked had its peers in time, whether it had to poll for
             # them or found their frames already there: the next gets the whole budget.
             if spins is not None:
@@ -218,13 +231,13 @@ class TcpTransport(FailureHandling, Transport):
         except EOFError:
             conn = self.conns.get(peer)
             if conn is not None and conn.rend > conn.rpos:  # e.g. an ABORT behind unread frames
-                self._inspect(conn, what)
-            raise self._eof_error(peer, what, recvs.get(peer)) from None
+                failure.inspect(conn, what, *self._names(peer))
+            raise failure.eof_error(what, *self._names(peer), recvs.get(peer)) from None
         except OSError as exc:
             conn = self.conns.get(peer)
             if conn is not None:  # the peer may have left a reason before it closed
-                self._inspect(conn, what)
-            raise self._reset_error(peer, what, exc) from None
+                failure.inspect(conn, what, *self._names(peer))
+            raise failure.reset_error(what, *self._names(peer), exc) from None
 
     def _send_some(self, peer: int, sends: dict) -> bool:
         q = sends[peer]
@@ -320,9 +333,9 @@ class TcpTransport(FailureHandling, Transport):
         now = time.monotonic()
         left = deadline - now
         if left <= 0:
-            raise self._timeout(sends, recvs, what)
+            raise failure.step_timeout(sends, recvs, what, self._life.me, self._rank_of)
         poller = select.poll()
-        poller.register(self._shared.wake_r, select.POLLIN)
+        poller.register(self._life.wake_r, select.POLLIN)
         idle: dict[int, Conn] = {}
         wake = min(left, 1.0, waits.due(now))
         for peer, conn in self.conns.items():
@@ -340,18 +353,18 @@ class TcpTransport(FailureHandling, Transport):
         except InterruptedError:
             events = []
         if self.aborted is not None:
-            raise self._aborted_error(what)
+            raise failure.aborted_error(self._life, what)
         for fd, ev in events:
             conn = idle.get(fd)
             if conn is None:
                 continue
             if ev & _POLLHANGUP:
-                self._inspect(conn, what)
+                failure.inspect(conn, what, *self._names(conn.peer))
             elif ev & select.POLLIN:
                 peeked.add(conn.peer)
-                self._peek(conn, what)
+                failure.peek(conn, self._cur, what, *self._names(conn.peer))
         now = time.monotonic()
         for peer, conn in self.conns.items():
             if conn.eof_at and peer not in recvs and now >= conn.eof_at + DEAD_PEER_GRACE:
-                raise self._eof_error(peer, what, None)
+                raise failure.eof_error(what, *self._names(peer), None)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Iterable
 
 import torch
 
@@ -93,17 +94,26 @@ def _combine(op: str, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             "bor": torch.bitwise_or, "bxor": torch.bitwise_xor}[op](a, b)
 
 
-def reference(op: str, xs: list[torch.Tensor]) -> torch.Tensor:
-    """The reduction of every rank's contribution, computed directly (not with pycoll)."""
-    xs = [x * FACTOR if op == "premul_sum" else x for x in xs]
-    out = xs[0].clone()
-    for x in xs[1:]:
-        out = _combine(op, out, x)
+def reference(op: str, xs: Iterable[torch.Tensor], factor: float = FACTOR) -> torch.Tensor:
+    """The reduction ``op`` (a ReduceOp's lower-case name) of every rank's contribution, in
+    rank order, computed directly with torch (not with pycoll): ``premul_sum`` scales each
+    input by ``factor`` first, ``avg`` divides the sum by the number of inputs (truncating for
+    integers). ``xs`` may be a generator: it is folded two tensors at a time, so a large
+    message from many ranks costs two of them in memory. The one whole-world reference of the
+    unit tests, the registered-memory and vs-gloo tests, and the benchmark's check."""
+    out, count = None, 0
+    for x in xs:
+        if op == "premul_sum":
+            x = x * factor
+        out = x.clone() if out is None else _combine(op, out, x)
+        count += 1
+    if out is None:
+        raise ValueError("reference: no inputs")
     if op == "avg":
         if out.is_floating_point() or out.is_complex():
-            out = out / len(xs)
+            out = out / count
         else:
-            out = torch.div(out, len(xs), rounding_mode="trunc")
+            out = torch.div(out, count, rounding_mode="trunc")
     return out
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll.testing.ranks import memfd_fds, memfd_maps
+from pycoll.testing.reference import reference
 
 
 def _inputs(rank: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
@@ -27,23 +28,7 @@ def _inputs(rank: int, n: int, dtype: torch.dtype, op: str) -> torch.Tensor:
 
 
 def _reference(world: int, n: int, dtype, op: str) -> torch.Tensor:
-    xs = [_inputs(r, n, dtype, op) for r in range(world)]
-    if dtype is torch.bool:
-        fold = {"sum": torch.logical_or, "max": torch.logical_or, "bor": torch.logical_or,
-                "product": torch.logical_and, "min": torch.logical_and, "band": torch.logical_and,
-                "bxor": torch.logical_xor}[op]
-    else:
-        fold = {"sum": torch.add, "avg": torch.add, "product": torch.mul, "min": torch.minimum,
-                "max": torch.maximum, "band": torch.bitwise_and, "bor": torch.bitwise_or,
-                "bxor": torch.bitwise_xor, "premul_sum": torch.add}[op]
-    if op == "premul_sum":
-        xs = [x * 0.5 for x in xs]
-    acc = xs[0].clone()
-    for x in xs[1:]:
-        acc = fold(acc, x)
-    if op == "avg":
-        acc = acc / world if (dtype.is_floating_point or dtype.is_complex) else torch.div(acc, world, rounding_mode="trunc")
-    return acc
+    return reference(op, (_inputs(r, n, dtype, op) for r in range(world)), factor=0.5)
 
 
 def _redop(op: str, dtype):

@@ -12,6 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from pycoll.testing.reference import reference as whole_world
+
 R = dist.ReduceOp
 
 
@@ -99,34 +101,24 @@ def gen(dtype: torch.dtype, n, seed: int, op: str = "") -> torch.Tensor:
 
 
 def reference(xs: list[torch.Tensor], op: str, world: int):
-    """(result, tolerance or None): the op over every rank's input, as a single process sees it."""
-    dtype = xs[0].dtype
-    if dtype is BOOL:
-        f = {"SUM": torch.logical_or, "MAX": torch.logical_or, "BOR": torch.logical_or,
-             "PRODUCT": torch.logical_and, "MIN": torch.logical_and, "BAND": torch.logical_and,
-             "BXOR": torch.logical_xor}[op]
-        return functools.reduce(f, xs), None
+    """(result, tolerance or None): the op over every rank's input, as a single process sees
+    it (``pycoll.testing.reference``; floats reduced in float64 or complex128, then rounded
+    once, with the error bound of any order of accumulation)."""
+    dtype, name = xs[0].dtype, op.lower()
+    if dtype is BOOL or op in ("MIN", "MAX"):
+        return whole_world(name, xs), None
     if dtype in INTS:
-        if op == "AVG":
-            s = functools.reduce(torch.add, [x.long() for x in xs])
-            return torch.div(s, world, rounding_mode="trunc").to(dtype), None
-        f = {"SUM": torch.add, "PRODUCT": torch.mul, "MIN": torch.minimum, "MAX": torch.maximum,
-             "BAND": torch.bitwise_and, "BOR": torch.bitwise_or, "BXOR": torch.bitwise_xor}[op]
-        return functools.reduce(f, xs), None  # integer arithmetic wraps alike in any order
-    if op in ("MIN", "MAX"):
-        return functools.reduce(torch.minimum if op == "MIN" else torch.maximum, xs), None
+        if op == "AVG":   # summed without wrapping, as the inputs are chosen for
+            return whole_world(name, [x.long() for x in xs]).to(dtype), None
+        return whole_world(name, xs), None  # integer arithmetic wraps alike in any order
     wide = torch.complex128 if dtype in COMPLEX else torch.float64
     ys = [x.to(wide) for x in xs]
-    if op == "PREMUL_SUM":
-        ys = [y * PREMUL_FACTOR for y in ys]
+    exact = whole_world(name, ys, factor=PREMUL_FACTOR)
     if op == "PRODUCT":
-        exact = functools.reduce(torch.mul, ys)
         mag = exact.abs()
     else:
-        exact = functools.reduce(torch.add, ys)
-        mag = functools.reduce(torch.add, [_abs(y) for y in ys])
-        if op == "AVG":
-            exact, mag = exact / world, mag / world
+        scale = PREMUL_FACTOR if op == "PREMUL_SUM" else 1
+        mag = whole_world("avg" if op == "AVG" else "sum", [_abs(y) * scale for y in ys])
     return exact.to(dtype), bound(mag, exact, dtype, world)
 
 

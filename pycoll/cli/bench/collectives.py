@@ -21,6 +21,8 @@ from typing import Callable
 
 import torch
 
+from pycoll.testing.reference import reference
+
 ROOT = 0
 DTYPES = {
     "float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
@@ -29,7 +31,7 @@ DTYPES = {
 }
 # AVG is left out on purpose: gloo does not implement it, so there is nothing to compare.
 OPS = ("sum", "prod", "max", "min")
-_LOCAL_OPS = {"sum": torch.add, "prod": torch.mul, "max": torch.maximum, "min": torch.minimum}
+_REDUCE_OP = {"sum": "sum", "prod": "product", "max": "max", "min": "min"}   # (ReduceOp names)
 
 
 def make_input(count: int, rank: int, dtype: torch.dtype, op: str) -> torch.Tensor:
@@ -45,11 +47,8 @@ def make_input(count: int, rank: int, dtype: torch.dtype, op: str) -> torch.Tens
 
 
 def reduce_inputs(count: int, world: int, dtype: torch.dtype, op: str) -> torch.Tensor:
-    """The whole-world reduction of every rank's input, computed locally, two tensors at a time."""
-    acc = make_input(count, 0, dtype, op)
-    for r in range(1, world):
-        acc = _LOCAL_OPS[op](acc, make_input(count, r, dtype, op))
-    return acc
+    """The whole-world reduction of every rank's input (``pycoll.testing.reference``)."""
+    return reference(_REDUCE_OP[op], (make_input(count, r, dtype, op) for r in range(world)))
 
 
 def sentinel_fill(t: torch.Tensor) -> None:

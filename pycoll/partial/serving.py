@@ -1,31 +1,201 @@
-"""Who runs each round of a partial all-reduce, and when.
+"""The engine of a partial all-reduce: its deposits and results, and who runs each round, when.
 
-A background thread serves rounds while the user's thread computes (``_progress``); a user
-thread that waits for a result runs them itself (``_drive_until``), the thread stepping
-aside. A round starts on its trigger (``_trigger``): an activation from its initiator, or
-this rank's own deposit when it may initiate. ``RoundServing`` is a base class of
-``allreduce.PartialAllReduce`` and works on that object's state (see its ``__init__``).
+``RoundServer`` holds the whole state of one ``PartialAllReduce`` (which validates the user's
+calls and hands them here). A background thread serves rounds while the user's thread
+computes (``_progress``); a user thread that waits for a result runs them itself
+(``_drive_until``), the thread stepping aside. A round starts on its trigger (``_trigger``): an
+activation from its initiator, or this rank's own deposit when it may initiate. What is in a
+round is ``rounds``; the round buffers, ``slots``; the activation messages, ``activation``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import struct
+import threading
 import time
+from collections import deque
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from pycoll.errors import CommTimeoutError
-from pycoll.partial.rounds import NF, Contribution
-from pycoll.partial.slots import Slot
+from pycoll import callbacks
+from pycoll.errors import CommTimeoutError, PycollError
+from pycoll.partial.activation import Activations
+from pycoll.partial.rounds import NF, Contribution, Ledger, RoundInfo
+from pycoll.partial.slots import Slot, SlotPool
 from pycoll.partial.work import RoundResult
 from pycoll.transport import waits
 
+_STRUCT_CODES = {torch.float32: "f", torch.float64: "d", torch.int32: "i", torch.int64: "q"}
 
-class RoundServing:
-    """The round-driving half of ``PartialAllReduce``."""
 
+class RoundServer:
+    """The rounds of one partial all-reduce over process group ``pg`` (``ranks``: its global
+    ranks), for tensors of ``n`` elements of ``dtype`` (results shaped ``shape``): made once
+    the caller has checked every argument; ``close`` ends it."""
+
+    def __init__(self, pg, ranks: list[int], rank: int, ledger: Ledger, n: int, shape: tuple,
+                 dtype: torch.dtype, timeout: float, activation_delay: float, history: int) -> None:
+        self._pg, self.rank, self.world = pg, rank, len(ranks)
+        self._ledger = ledger
+        self.timeout, self.activation_delay = timeout, activation_delay
+        self._n = n
+        self._peers = [ranks[r] for r in range(self.world) if r != rank]
+        self._inline = dist.get_backend(pg) == "pycoll"   # see _initiate
+        # One lock behind both conditions; code that only needs the lock takes it directly
+        # (``with self._cv`` costs two more Python calls, 17 times a round). The per-round
+        # notifications look at the Condition's waiters first: notify_all is Python code,
+        # and in the common case (one thread drives every round) nobody waits.
+        self._lock = lock = threading.Lock()
+        self._cv = threading.Condition(lock)     # user threads: deposits, results, hand-overs
+        self._wake = threading.Condition(lock)   # the progress thread: something to serve
+        self._slots = SlotPool(self._n, shape, dtype, self.world * NF)   # under _lock
+        self._pack_meta = struct.Struct(f"={self.world * NF}{_STRUCT_CODES[dtype]}").pack_into
+        self._deposits: deque[tuple[int, Slot]] = deque()
+        self._next = 0                     # index of this rank's next deposit
+        self._results: dict[int, RoundResult] = {}
+        self._done = 0                     # rounds completed
+        self._flushing, self._flushes, self._flush_round = False, 0, -1
+        self._error: BaseException | None = None
+        self._closed = False
+        self._driver: str | None = None    # who runs rounds now: "thread", "user" or nobody
+        self._waiting = 0                  # user threads blocked in wait/flush (they drive)
+        self._parked = False               # the progress thread drives but waits for a trigger
+        self._activated: set[int] = set()          # rounds an activation arrived for
+        self._timer: tuple[int, float] | None = None   # (round, when): activate unless done by then
+        # Futures that this object's threads complete settle on runner threads (callbacks.py).
+        self._runner = callbacks.Runner(f"pycoll-partial-callbacks-{rank}")
+        self._act = Activations(pg, rank, self._peers, lock, self._notify_all,
+                                successor=ranks[(rank + 1) % self.world], keepalive_s=timeout / 4,
+                                runner=self._runner)
+        self.history: deque[RoundInfo] = deque(maxlen=history)
+        self._thread = callbacks.start_thread(self._progress, self._fail, f"pycoll-partial-{rank}",
+                                              self._runner)
+
+    # ---- the user's calls (checked by PartialAllReduce) ---------------------------------
+    def buffer(self) -> torch.Tensor:
+        """A round buffer lent to the user (``PartialAllReduce.buffer``)."""
+        with self._lock:
+            return self._slots.lend()
+
+    def recycle(self, result: RoundResult) -> None:
+        """A result's buffer back for reuse (``PartialAllReduce.recycle``)."""
+        with self._lock:
+            if not self._slots.recycle(result.tensor):
+                raise ValueError("PartialAllReduce.recycle: not a round result of this object")
+
+    def all_reduce(self, tensor: torch.Tensor, timeout: float | None = None) -> RoundResult:
+        """Deposit and claim, this thread driving the round from the start (no wake-up)."""
+        with self._lock:
+            self._waiting += 1
+        try:
+            return self.claim(self.deposit(tensor), timeout)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+                self._wake_if_needed()
+
+    def deposit(self, tensor: torch.Tensor) -> int:
+        """Deposit ``tensor`` (of the right size and dtype: checked by the caller); its index."""
+        with self._lock:
+            self._check("submit")
+            if self._flushing:
+                raise RuntimeError("PartialAllReduce.submit: a flush is in progress")
+            slot, copy = self._slots.for_deposit(tensor)
+        if copy:
+            with torch.no_grad():
+                slot.data.copy_(tensor.reshape(-1))
+        with self._lock:
+            index = self._next
+            self._next += 1
+            self._deposits.append((index, slot))
+            if self._cv._waiters:  # a thread driving a round may wait for it
+                self._cv.notify_all()
+            if not self._waiting:            # else a user thread is about to drive
+                self._wake.notify()
+        return index
+
+    def flush(self, timeout: float | None = None) -> list[RoundResult]:
+        """``PartialAllReduce.flush``: the results no submit of this rank is paired with."""
+        with self._lock:
+            self._check("flush")
+            start, gen = self._next, self._flushes
+            self._flushing = True
+            self._notify_all()
+        self._drive_until(lambda: self._flushes != gen, timeout, "flush")
+        with self._lock:
+            return [self._results.pop(k) for k in range(start, self._flush_round + 1)]
+
+    def close(self, flush: bool = True) -> None:
+        """``PartialAllReduce.close``: the progress thread's error, if any, raised last."""
+        if self._closed:
+            return
+        flushed = False
+        try:
+            if flush and self._error is None:
+                self.flush()
+                flushed = True
+        finally:
+            with self._lock:
+                self._closed = True
+                self._notify_all()
+            self._thread.join(5)
+            self._act.close()
+            if flushed:
+                dist.barrier(group=self._pg)   # nobody may still be reading the last round
+            try:
+                dist.destroy_process_group(self._pg)
+            except (RuntimeError, ValueError):
+                self._pg.shutdown()  # pycoll subgroups lack a c10d group name (docs/partial.md)
+            self._runner.close()
+        if self._error is not None:
+            raise PycollError(f"PartialAllReduce rank {self.rank}: closed after the progress "
+                              f"thread failed: {self._error}") from self._error
+
+    @property
+    def rounds_done(self) -> int:
+        """How many rounds have completed on this rank."""
+        return self._done
+
+    def claim(self, k: int, timeout: float | None = None) -> RoundResult:
+        """The result of round ``k``, running or waiting for rounds until it is done (once)."""
+        self._drive_until(lambda: self._done > k, timeout, f"round {k}")
+        with self._lock:
+            if k not in self._results:
+                raise RuntimeError(f"PartialAllReduce: the result of round {k} was already taken")
+            return self._results.pop(k)
+
+    def _notify_all(self) -> None:
+        """Wake everyone (call holding the lock): an activation, a flush or close."""
+        self._cv.notify_all()
+        self._wake.notify()
+
+    def _wake_if_needed(self) -> None:
+        """The last waiting user thread left (call holding the lock): the progress thread,
+        parked while it was there, takes over if something already waits to be served."""
+        if not self._waiting and (self._act.ready or self._deposits or self._flushing):
+            self._wake.notify()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._lock:
+            if self._error is None and not self._closed:
+                self._error = exc
+            self._notify_all()
+
+    def _timeout_error(self, msg: str) -> CommTimeoutError:
+        return CommTimeoutError(f"PartialAllReduce rank {self.rank}: {msg}", op="partial_all_reduce",
+                                seq=self._ledger.k, rank=self.rank)
+
+    def _check(self, what: str) -> None:
+        if self._error is not None:
+            raise PycollError(f"PartialAllReduce rank {self.rank}: {what}: the progress thread "
+                              f"failed: {self._error}") from self._error
+        if self._closed:
+            raise PycollError(f"PartialAllReduce rank {self.rank}: {what} after close()")
+
+    # ---- the rounds ----------------------------------------------------------------------
     def _drive_until(self, done, timeout: float | None, what: str) -> None:
         """Wait for ``done()``; meanwhile run rounds in this thread, the progress thread
         stepping aside (it serves rounds only while the user's thread is busy elsewhere).

@@ -235,7 +235,7 @@ def _lent_buffers(rank, world, delay):
         total += res.tensor
     with pytest.raises(ValueError, match="not a round result"):
         par.recycle(pycoll.partial.RoundResult(torch.zeros(5, dtype=torch.float64), 0, None))
-    sent = par._act.sent
+    sent = par._server._act.sent
     par.close()
     return total, sent
 
@@ -418,7 +418,7 @@ def _quiet_longer_than_timeout(rank, world):
         time.sleep(0.01)
     for res in par.flush():
         total += res.tensor
-    sent = par._act.sent
+    sent = par._server._act.sent
     par.close()
     left = [t.name for t in threading.enumerate() if t.name.startswith("pycoll-partial")]
     return rounds, total.tolist(), sent, left

@@ -4,7 +4,8 @@
         --iters 20 --warmup 5 --json out.json [--plot out.png] [--dtype float32] [--op sum]
 
 The launcher (this module) measures the physical reference figures, hosts a TCPStore on a port
-the OS picks, spawns ``world_size`` rank processes once (pycoll.cli.bench.worker) that each open
+the OS picks, spawns ``world_size`` rank processes once (``pycoll.testing.spawn`` running
+``pycoll.cli.bench.worker.rank_main``) that each open
 one process group per backend and run every (collective, size) with the backends interleaved,
 then, when mpirun and mpi4py are installed, runs the same sweep under mpirun
 (pycoll.cli.bench.mpi), and merges everything into one set of tables, a JSON file and an
@@ -148,23 +149,14 @@ def _wait_all(procs: list, deadline: float | None, what: str) -> None:
                 p.wait()
 
 
-def run_torch_ranks(cfg: dict, world: int, tmp: str, env: dict, deadline) -> list[dict]:
-    import torch.distributed as dist
-    cfg_path = os.path.join(tmp, "config.json")
-    with open(cfg_path, "w") as f:
-        json.dump(cfg, f)
-    # Port 0: the OS picks a free port; ranks get the address on their command line.
-    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=cfg["timeout"] * 4))
-    outs = [os.path.join(tmp, f"rank{r}.json") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, "-m", "pycoll.cli.bench.worker", "--rank",
-                               str(r), "--world-size", str(world), "--store",
-                               f"127.0.0.1:{store.port}", "--config", cfg_path, "--out", outs[r]],
-                              env=env)
-             for r in range(world)]
-    _wait_all(procs, deadline, "torch ranks")
-    del store
-    return [json.load(open(o)) for o in outs]
+def run_torch_ranks(cfg: dict, world: int, env: dict, deadline) -> list[dict]:
+    """Every rank's records, from fresh rank processes (``pycoll.testing.spawn``)."""
+    from pycoll.cli.bench.worker import rank_main
+    from pycoll.testing import spawn
+
+    left = deadline - time.monotonic() if deadline is not None else 7 * 24 * 3600.0
+    return spawn.run(rank_main, world, cfg, timeout=max(left, 1.0), env=env,
+                     store_timeout=cfg["timeout"] * 4)
 
 
 def mpi_command(world: int) -> tuple[list[str] | None, str | None]:
@@ -240,8 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pycoll-bench-") as tmp, Busy(args.load) as busy:
         if torch_backends:
             try:
-                docs += run_torch_ranks(cfg, args.world_size, tmp, env, deadline)
-            except RuntimeError as e:  # the ranks' own tracebacks are above, on stderr
+                docs += run_torch_ranks(cfg, args.world_size, env, deadline)
+            except RuntimeError as e:  # (spawn.RankFailed: with the failing rank's traceback)
                 print(f"bench: {e}; no results", file=sys.stderr)
                 return 2
         mpi_docs, mpi_err = [], mpi_why

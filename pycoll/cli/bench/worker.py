@@ -1,18 +1,14 @@
-"""One rank of the torch.distributed side of the benchmark (started by the launcher).
+"""One rank of the torch.distributed side of the benchmark (``rank_main``, started by the
+launcher through ``pycoll.testing.spawn``).
 
 The rank joins the launcher's TCPStore, makes a gloo default group (used only to agree on which
 backends are healthy, never timed), then one group per backend under test with
-``dist.new_group(backend=...)``, runs the shared sweep and writes its per-rank record file.
-
-    python -m pycoll.cli.bench.worker --rank R --world-size N --store HOST:PORT --config C --out F
+``dist.new_group(backend=...)``, runs the shared sweep and returns its per-rank records.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
-import sys
 from datetime import timedelta
 
 import torch
@@ -56,33 +52,17 @@ def _open_groups(backends: list[str], timeout: timedelta) -> tuple[dict, dict]:
     return groups, notes
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--rank", type=int, required=True)
-    p.add_argument("--world-size", type=int, required=True)
-    p.add_argument("--store", required=True, help="HOST:PORT of the launcher's TCPStore")
-    p.add_argument("--config", required=True)
-    p.add_argument("--out", required=True)
-    a = p.parse_args(argv)
-    with open(a.config) as f:
-        cfg = json.load(f)
+def rank_main(rank: int, world: int, port: int, cfg: dict) -> dict:
+    """Rank ``rank`` of ``world`` around the launcher's Store on ``port``: its records."""
     timeout = timedelta(seconds=cfg["timeout"])
-    host, port = a.store.rsplit(":", 1)
-    store = dist.TCPStore(host, int(port), a.world_size, is_master=False, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
     # The agreement channel must outlive a backend's timeout, hence the longer deadline.
-    dist.init_process_group("gloo", store=store, rank=a.rank, world_size=a.world_size,
-                            timeout=timeout * 3)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout * 3)
     groups, notes = _open_groups(cfg["torch_backends"], timeout)
     apis = {b: TorchApi(g, cfg["op"]) for b, g in groups.items()}
-    progress = Progress(len(sweep_plan(cfg, a.world_size)), ",".join(apis) or "-",
-                        enabled=cfg["progress"] and a.rank == 0)
-    records = run_sweep(cfg, a.rank, a.world_size, apis, _agree, progress) if apis else []
-    with open(a.out, "w") as f:
-        json.dump({"rank": a.rank, "notes": notes, "backends": list(apis), "records": records}, f)
+    progress = Progress(len(sweep_plan(cfg, world)), ",".join(apis) or "-",
+                        enabled=cfg["progress"] and rank == 0)
+    records = run_sweep(cfg, rank, world, apis, _agree, progress) if apis else []
     dist.barrier()  # nobody tears down connections a peer still reads from
     dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return {"rank": rank, "notes": notes, "backends": list(apis), "records": records}

@@ -6,7 +6,7 @@ Every collective runs in rounds over the double-buffered staging slots of an ``S
 k only between round k's first barrier and its own next barrier, and writes a slot half
 only after a barrier of the round before; so no write can overtake a peer's read.
 
-- all_reduce, small (``one_shot_bytes``: 64 KiB, 512 KiB for two ranks): each rank writes its
+- all_reduce, small (``one_shot_bytes``: 64 KiB, 1 MiB for two ranks): each rank writes its
   input, one barrier, each rank reduces all inputs in rank order (bitwise the same result
   everywhere). 1 barrier a round.
 - all_reduce, two ranks, larger: each stages the half its peer reduces, reduces its own half

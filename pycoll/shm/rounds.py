@@ -18,9 +18,9 @@ from pycoll.shm.arena import ShmArena
 
 ONE_SHOT_BYTES = 64 << 10   # all_reduce in one round, each rank reducing all inputs, up to this
 # Two ranks stay one-shot longer: the staged-half form saves half the reduction for a second
-# barrier, and a barrier costs more than 512 KiB of reduction as soon as a peer may wait for
-# a core (docs/performance.md, "One barrier up to 512 KiB on two ranks").
-PAIR_ONE_SHOT_BYTES = 512 << 10
+# barrier, and a barrier costs more than 1 MiB of reduction as soon as a peer may wait for a
+# core (docs/performance.md, "One barrier up to 1 MiB on two ranks").
+PAIR_ONE_SHOT_BYTES = 1 << 20
 # Word values of torch dtypes: a dict lookup by dtype on the latency path (no name formatting).
 _DTYPE_WORD = {getattr(torch, name): i for i, name in enumerate(wire.DTYPES)}
 _OP_WORD, _REDOP_WORD = wire.OP_WORD, wire.REDOP_WORD

@@ -11,7 +11,8 @@ only after a barrier of the round before; so no write can overtake a peer's read
   everywhere). 1 barrier a round.
 - all_reduce, two ranks, larger: each stages the half its peer reduces, reduces its own half
   into its output, publishes it, copies the peer's half out: half the reduction work of the
-  one-shot form and 4.5 bytes moved per byte against 5, for a second barrier a round.
+  one-shot form and 4.5 bytes moved per byte against 5; rounds pipelined (a round's staging
+  with the round before's reduction), R rounds in R + 1 barriers.
 - all_reduce, large: write input, barrier, rank r reduces slice r of every input in place
   in its own slot (an in-memory reduce-scatter), barrier, every rank copies all reduced
   slices out (an in-memory all-gather). 2 barriers a round; each rank reads ~2n bytes.
@@ -135,7 +136,14 @@ def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) 
     """Two ranks, large: each stages only the half its peer reduces, reduces its own half
     straight into its output (``x0 op x1`` in rank order), publishes it in the unused half of
     its slot, and copies the peer's reduced half out. Per rank and element: 4.5 bytes moved
-    per byte of data against the one-shot form's 5, for a second barrier per round.
+    per byte of data against the one-shot form's 5.
+
+    Rounds are pipelined: a round's staging goes with the reduction of the round before,
+    into the other slot half, so R rounds take R + 1 barriers instead of 2R. (The peer read
+    that slot half's staged region two rounds back, before the barrier that precedes the
+    staging; what it reads of that slot half in the same step, the published region, is not
+    the staged one.) A barrier costs a scheduling delay once a peer may wait for a core, so
+    on a busy machine the barriers are much of what a large all_reduce costs.
 
     Where numpy loops over the dtype, the schedule runs on numpy views made once per call
     (a tensor-to-numpy conversion in every copy and reduce cost ~20 us a round).
@@ -149,18 +157,33 @@ def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) 
     else:
         buf = t
         slots, put, combine = (lambda p: (arena.slot(0, p, dt), arena.slot(1, p, dt))), copy, red.combine
-    for off, c in rounds(t.numel(), min(arena.slot_bytes, PAIR_ROUND_BYTES) // dt.itemsize):
+
+    # Each half has a fixed place in a slot, whatever the round's size (half h of a round at
+    # h * half): a short last round's staging then cannot reach the published half of the
+    # round two back, which the peer may be copying out at the same time.
+    cap = min(arena.slot_bytes, PAIR_ROUND_BYTES) // dt.itemsize // 2 * 2
+    half = cap // 2
+    at_m, at_p = me * half, (1 - me) * half
+
+    def stage(off: int, c: int):
+        """Start a round: stage the half the peer reduces; the round's views."""
         both = slots(arena.next_parity())
-        mine, peer = both[me], both[1 - me]
         halves = chunks(c, 2)
         (lo_m, n_m), (lo_p, n_p) = halves[me], halves[1 - me]
-        put(mine[lo_p:lo_p + n_p], buf[off + lo_p:off + lo_p + n_p])
-        barrier()
-        out, theirs = buf[off + lo_m:off + lo_m + n_m], peer[lo_m:lo_m + n_m]
+        put(both[me][at_p:at_p + n_p], buf[off + lo_p:off + lo_p + n_p])
+        return off, both[me], both[1 - me], lo_m, n_m, lo_p, n_p
+
+    todo = list(rounds(t.numel(), cap))
+    cur = stage(*todo[0])
+    barrier()
+    for k in range(len(todo)):
+        off, mine, peer, lo_m, n_m, lo_p, n_p = cur
+        out, theirs = buf[off + lo_m:off + lo_m + n_m], peer[at_m:at_m + n_m]
         combine(*((out, theirs) if me == 0 else (theirs, out)), out)
-        put(mine[lo_m:lo_m + n_m], out)
+        put(mine[at_m:at_m + n_m], out)
+        cur = stage(*todo[k + 1]) if k + 1 < len(todo) else None
         barrier()
-        put(buf[off + lo_p:off + lo_p + n_p], peer[lo_p:lo_p + n_p])
+        put(buf[off + lo_p:off + lo_p + n_p], peer[at_p:at_p + n_p])
 
 
 def reduce(arena: ShmArena, src: torch.Tensor, out: torch.Tensor | None, root: int, red: Reduction,

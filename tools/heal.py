@@ -30,9 +30,7 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from datetime import timedelta
 
@@ -168,7 +166,7 @@ class Job:
         if a.proc >= WORLD:
             step = self.wait_as_spare()
             if step is None:
-                return self.dist.destroy_process_group()
+                return self.dist.destroy_process_group()   # (a spare never called: no result)
             if a.scenario == "spare":
                 self.times["full_strength_at"] = time.monotonic()
         else:
@@ -217,53 +215,32 @@ class Job:
             for p in range(WORLD, WORLD + SPARES):
                 if p not in self.members:
                     self.store.set(f"spare/{p}", json.dumps({"done": True}))
-        self.store.set(f"result/{a.proc}", json.dumps({
-            "times": self.times, "rank": dist.get_rank(),
-            "params": torch.cat([p.detach().flatten() for p in params]).tolist() if dist.get_rank() == 0 and
-            a.hidden <= 256 else None}))
+        result = {"times": self.times, "rank": dist.get_rank(),
+                  "killed_at": float(self.store.get("killed_at")) if self.store.check(["killed_at"]) else None,
+                  "params": torch.cat([p.detach().flatten() for p in params]).tolist() if dist.get_rank() == 0 and
+                  a.hidden <= 256 else None}
         dist.destroy_process_group()
+        return result
 
 
-def worker(a) -> None:
-    Job(a).train()
-    sys.stdout.flush()
-    os._exit(0)
+def _process(proc: int, count: int, port: int, opts: dict, scenario: str) -> dict | None:
+    """Process ``proc`` of the job (``pycoll.testing.spawn`` runs it): its result, or None
+    for a spare that was never called."""
+    return Job(argparse.Namespace(**opts, port=port, proc=proc, scenario=scenario)).train()
 
 
 # -- the launcher ------------------------------------------------------------------------------
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", PYTHONPATH=os.pathsep.join(
-        [ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
-
-
 def run_job(a, scenario: str) -> dict:
-    """One job: WORLD ranks and SPARES spares on a Store of this process's."""
-    import torch.distributed as dist
+    """One job: WORLD ranks and SPARES spares around a Store of this process's (it outlives
+    the victim), started by ``pycoll.testing.spawn``; the victim may die."""
+    from pycoll.testing import spawn
 
-    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=120))
-    store = dist.PrefixStore("job", server)
-    args = [sys.executable, os.path.abspath(__file__), "--worker", "--port", str(server.port),
-            "--backend", a.backend, "--scenario", scenario, "--steps", str(a.steps), "--kill-step",
-            str(a.kill_step), "--victim", str(a.victim), "--hidden", str(a.hidden), "--batch", str(a.batch),
-            "--timeout", str(a.timeout)]
-    with tempfile.TemporaryDirectory(prefix="pycoll-heal-") as tmp:
-        procs = [subprocess.Popen(args + ["--proc", str(p)], env=_env(), cwd=tmp) for p in range(WORLD + SPARES)]
-        try:
-            for p, proc in enumerate(procs):
-                rc = proc.wait(a.job_timeout)
-                if rc != 0 and not (scenario != "none" and p == a.victim):
-                    raise SystemExit(f"{a.backend} {scenario}: process {p} exited with {rc}")
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-    results = {}
-    for p in range(WORLD + SPARES):
-        if store.check([f"result/{p}"]):
-            results[p] = json.loads(store.get(f"result/{p}"))
-    killed = float(store.get("killed_at")) if store.check(["killed_at"]) else None
+    opts = {k: getattr(a, k) for k in ("backend", "steps", "kill_step", "victim", "hidden", "batch", "timeout")}
+    values = spawn.run(_process, WORLD + SPARES, opts, scenario, timeout=a.job_timeout,
+                       env={"OMP_NUM_THREADS": "1", "TORCH_DEVICE_BACKEND_AUTOLOAD": "0"},
+                       may_die={a.victim} if scenario != "none" else set())
+    results = {p: r for p, r in enumerate(values) if r is not None}
+    killed = next((r["killed_at"] for r in results.values() if r["killed_at"] is not None), None)
     return {"killed_at": killed, "results": results}
 
 
@@ -304,15 +281,10 @@ def main(argv=None) -> None:
     ap.add_argument("--timeout", type=float, default=2.0, help="the groups' timeout, seconds")
     ap.add_argument("--job-timeout", type=float, default=300)
     ap.add_argument("--json", action="store_true")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--port", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--proc", type=int, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
-    if a.worker:
-        return worker(a)
     import torch
 
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, ROOT)   # (the spawned processes inherit it)
     from pycoll import torch_compat
 
     if not torch_compat.reconfigure_supported():

@@ -5,9 +5,11 @@
 default) gives each a clean interpreter, as a user's job has; ``context="forkserver"``
 shares one preloaded interpreter. The Store listens on a port the OS picks; ``env`` is set
 in the ranks from their start (``OMP_NUM_THREADS`` must be, before torch loads). A rank that
-raises fails the run with its traceback (``RankFailed``); every process is joined, and
-killed if it lingers, before ``run`` returns. The tests' launchers are ``ranks`` (a pool of
-reused ranks) and ``fresh`` (ranks that may die, for fault tests).
+raises fails the run with its traceback (``RankFailed``), and so does one that dies, unless
+the caller named it in ``may_die`` (``tools/survive.py`` and ``tools/heal.py`` kill ranks on
+purpose); every process is joined, and killed if it lingers, before ``run`` returns. The
+tests' launchers are ``ranks`` (a pool of reused ranks) and ``fresh`` (ranks that may die,
+for fault tests).
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ def _entry(target, rank: int, world: int, port: int, args: tuple, out) -> None:
         out.put((rank, "ok", target(rank, world, port, *args)))
     except BaseException:  # noqa: BLE001 - reported by the parent
         out.put((rank, "err", traceback.format_exc()))
+    # The report is on its way before the interpreter's teardown, whatever that does.
+    out.close()
+    out.join_thread()
 
 
 @contextlib.contextmanager
@@ -49,11 +54,12 @@ def environ(env: dict | None):
 
 def run(target, world: int, *args, timeout: float = 1800, context: str = "spawn",
         env: dict | None = None, store_timeout: float = 120, daemon: bool = True,
-        preload: list[str] | None = None) -> list:
+        preload: list[str] | None = None, may_die=()) -> list:
     """Every rank's value of ``target(rank, world, store_port, *args)``, by rank, within
-    ``timeout`` seconds for the whole run (a rank that dies fails it at once). ``daemon=False``
-    lets ranks have children (DataLoader workers); ``preload`` names modules the forkserver
-    imports once."""
+    ``timeout`` seconds for the whole run (a rank that dies fails it at once, unless it is
+    one of ``may_die``: a tool that kills ranks on purpose; such a rank's value is None).
+    ``daemon=False`` lets ranks have children (DataLoader workers); ``preload`` names modules
+    the forkserver imports once."""
     import torch.distributed as dist
 
     ctx = mp.get_context(context)
@@ -76,6 +82,8 @@ def run(target, world: int, *args, timeout: float = 1800, context: str = "spawn"
                 rank, status, value = out.get(timeout=0.2)
             except queues.Empty:
                 dead = [r for r in left if procs[r].exitcode not in (None, 0)]
+                left.difference_update(r for r in dead if r in may_die)
+                dead = [r for r in dead if r not in may_die]
                 if dead:
                     raise RankFailed(f"rank {dead[0]} of {world} exited with code "
                                      f"{procs[dead[0]].exitcode} before reporting") from None

@@ -1,10 +1,11 @@
 """The tools' and the CLI's launcher (``pycoll.testing.spawn``): values by rank, the Store on a
 port the OS picks, the environment from the start, a failing or dying rank failing the run at
-once with its reason, every process gone afterwards."""
+once with its reason (unless the caller said it may die), every process gone afterwards."""
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 
 import pytest
@@ -49,3 +50,21 @@ def test_a_failing_or_dying_rank_fails_the_run_at_once(target, words):
     with pytest.raises(spawn.RankFailed, match=words):
         spawn.run(target, 2, timeout=90)
     assert time.monotonic() - t0 < 45          # not the other rank's 60 s, nor the timeout
+
+
+def _victim(rank, world, port):
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+    if rank == 1:
+        store.set("dying", "1")
+        os.kill(os.getpid(), signal.SIGKILL)
+    store.wait(["dying"])     # the Store outlives the dead rank: the survivors still use it
+    return store.get("dying").decode()
+
+
+def test_a_rank_that_may_die_leaves_none_and_the_others_report():
+    out = spawn.run(_victim, 3, may_die={1}, timeout=90)
+    assert out == ["1", None, "1"]
+    with pytest.raises(spawn.RankFailed, match="rank 1 of 3 exited with code -9"):
+        spawn.run(_victim, 3, may_die={2}, timeout=90)

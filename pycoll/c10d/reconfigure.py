@@ -197,15 +197,15 @@ def _watch(store, uuid: int, pg, members: list[str], timeout: float):
         if time.monotonic() > deadline:
             missing = [new for new in range(len(members)) if not store.check([f"{uuid}/arrived/{new}"])]
             raise ReconfigureError(f"pycoll reconfigure: uuid {uuid}: timed out after {timeout:g} s; "
-                              f"new ranks that never arrived: {missing or 'none (all arrived)'} "
-                              f"(their handles: {[members[r] for r in missing]})")
+                                   f"new ranks that never arrived: {missing or 'none (all arrived)'} "
+                                   f"(their handles: {[members[r] for r in missing]})")
         if store.check([f"{uuid}/failed"]):
             raise ReconfigureError(f"pycoll reconfigure: {store.get(f'{uuid}/failed').decode()}")
         dead = old.p2p.dead_peers() if olds else {}
         for was, new in olds.items():
             if was in dead:
                 raise ReconfigureError(f"pycoll reconfigure: the member at new rank {new} (rank {was} of "
-                                  f"the old configuration) has died: its connection {dead[was]}")
+                                       f"the old configuration) has died: its connection {dead[was]}")
     return check
 
 

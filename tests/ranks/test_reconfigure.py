@@ -9,7 +9,6 @@ Store and every member reconfigures with the same uuid and handles.
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import pytest
@@ -17,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from pycoll import torch_compat
-from pycoll.testing.ranks import rank_store, run_ranks
+from pycoll.testing.ranks import run_ranks
+from tests.support import reconfigure as rc
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")]
@@ -27,63 +27,44 @@ PATHS = {"shm": {"PYCOLL_TRANSPORT": "shm"}, "tcp": {"PYCOLL_TRANSPORT": "tcp"},
          "hierarchical": {"PYCOLL_TRANSPORT": "hierarchical", "PYCOLL_HOST_ID": "a,a,b,b"}}
 
 
-def _init(rank, world, **kw):
-    store = dist.PrefixStore("job", rank_store())
-    dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
-                            timeout=timedelta(seconds=30), **kw)
-    return store
-
-
-def _meet(store, step: str, rank: int, members: list[int], group=None) -> list[str]:
-    """Publish this process's handle under ``step``; the handles of ``members`` in order."""
-    store.set(f"{step}/{rank}", dist._get_reconfigure_handle(group))
-    return [store.get(f"{step}/{r}").decode() for r in members]
-
-
-def _sum(group=None) -> float:
-    t = torch.full((5,), float(dist.get_rank(group) + 1))
-    dist.all_reduce(t, group=group)
-    return t[0].item()
-
-
 def _heal(rank, world):
     """Processes 0-2 form a group of 3, process 2 dies, 0-1 shrink, process 3 joins."""
     torch.set_num_threads(1)
     me = {"process": rank}
-    store = _init(rank, 3 if rank < 3 else 4, enable_reconfigure=True)
+    store = rc.init(rank, 3 if rank < 3 else 4, enable_reconfigure=True)
     if rank == 3:                                  # the joiner: waits for the survivors' call
         store.wait(["grow"])
     else:
         try:
-            _sum()
+            rc.total()
         except Exception as exc:  # noqa: BLE001 - the result
             me["before"] = str(exc)
-        dist._reconfigure(1, _meet(store, "first", rank, [0, 1, 2]))
-        me["first"] = (dist.get_rank(), dist.get_world_size(), _sum())
+        dist._reconfigure(1, rc.meet(store, "first", rank, [0, 1, 2]))
+        me["first"] = (dist.get_rank(), dist.get_world_size(), rc.total())
         if rank == 2:
             os._exit(1)
         try:
             while True:
-                _sum()
+                rc.total()
         except Exception as exc:  # noqa: BLE001
             me["error"] = type(exc).__name__
-        dist._reconfigure(2, _meet(store, "shrink", rank, [0, 1]))
-        me["shrunk"] = (dist.get_rank(), dist.get_world_size(), _sum())
+        dist._reconfigure(2, rc.meet(store, "shrink", rank, [0, 1]))
+        me["shrunk"] = (dist.get_rank(), dist.get_world_size(), rc.total())
         store.set("grow", "1")
     # Grow: a set of handles: the survivors keep their order, the joiner comes last.
-    handles = set(_meet(store, "grow", rank, [0, 1, 3]))
+    handles = set(rc.meet(store, "grow", rank, [0, 1, 3]))
     dist._reconfigure(3, handles)
-    me["grown"] = (dist.get_rank(), dist.get_world_size(), torch_compat.default_group().size(), _sum())
+    me["grown"] = (dist.get_rank(), dist.get_world_size(), torch_compat.default_group().size(), rc.total())
     state = torch.arange(6.0) if dist.get_rank() == 0 else torch.zeros(6)
     dist.broadcast(state, 0)                       # a survivor's state, to the joiner
     me["state"] = state.tolist()
     try:
-        dist._reconfigure(3, set(_meet(store, "again", rank, [0, 1, 3])))
+        dist._reconfigure(3, set(rc.meet(store, "again", rank, [0, 1, 3])))
     except Exception as exc:  # noqa: BLE001
         me["reused"] = str(exc)
-    dist._reconfigure(4, _meet(store, "again2", rank, [0, 1, 3]))
+    dist._reconfigure(4, rc.meet(store, "again2", rank, [0, 1, 3]))
     sub = dist.new_group([0, 1])
-    me["sub"] = _sum(sub) if dist.get_rank() < 2 else None
+    me["sub"] = rc.total(sub) if dist.get_rank() < 2 else None
     model = torch.nn.Linear(4, 2)
     torch.manual_seed(dist.get_rank())
     ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -123,29 +104,19 @@ def test_shrink_after_a_death_then_a_new_process_joins(path):
 
 
 def _bad(rank, world):
-    store = _init(rank, world)                   # a group made as usual can be reconfigured too
+    store = rc.init(rank, world)                   # a group made as usual can be reconfigured too
     mine = dist._get_reconfigure_handle()
     out = {}
     for name, handles in (("empty", []), ("garbled", [mine, "pycoll1:x"]), ("foreign", [mine, "gloo:0:-1:0:"]),
                           ("duplicate", [mine, mine]), ("not mine", [mine.replace(":-1:", ":7:")])):
-        try:
-            dist._reconfigure(10, handles)
-            out[name] = "no error"
-        except Exception as exc:  # noqa: BLE001
-            out[name] = str(exc)
-    out["still works"] = _sum()                  # refused before any I/O: the group is intact
-    handles = _meet(store, "h", rank, list(range(world)))
+        out[name], _ = rc.outcome(10, handles)
+    out["still works"] = rc.total()   # refused before any I/O: the group is intact
+    handles = rc.meet(store, "h", rank, list(range(world)))
     if rank == 1:
         handles = handles[::-1]                  # a different list on one rank
-    t0 = time.monotonic()
-    try:
-        dist._reconfigure(11, handles, timeout=timedelta(seconds=20))
-        out["differ"] = "no error"
-    except Exception as exc:  # noqa: BLE001
-        out["differ"] = str(exc)
-    out["differ_s"] = time.monotonic() - t0
-    dist._reconfigure(12, _meet(store, "h2", rank, list(range(world))))
-    out["recovered"] = _sum()
+    out["differ"], out["differ_s"] = rc.outcome(11, handles, timeout=timedelta(seconds=20))
+    dist._reconfigure(12, rc.meet(store, "h2", rank, list(range(world))))
+    out["recovered"] = rc.total()
     dist.destroy_process_group()
     return out
 
@@ -166,7 +137,7 @@ def test_bad_handles_are_refused_before_any_io_and_differing_lists_fail_every_ra
 
 
 def _abort_and_recover(rank, world):
-    store = _init(rank, world)
+    store = rc.init(rank, world)
     ran = []
     pg = torch_compat.default_group()
     pg.register_abort_hook(1, lambda: ran.append("hook 1"))
@@ -175,12 +146,12 @@ def _abort_and_recover(rank, world):
     before = str(pg.get_error())
     pg.abort()
     try:
-        _sum()
+        rc.total()
         after = "no error"
     except Exception as exc:  # noqa: BLE001
         after = type(exc).__name__
-    dist._reconfigure(1, _meet(store, "h", rank, list(range(world))))
-    total, error = _sum(), str(pg.get_error())
+    dist._reconfigure(1, rc.meet(store, "h", rank, list(range(world))))
+    total, error = rc.total(), str(pg.get_error())
     dist.destroy_process_group()
     return ran, before, after, total, error
 
@@ -193,13 +164,13 @@ def test_abort_runs_the_hooks_and_a_reconfigure_recovers():
 
 
 def _split_and_merge(rank, world):
-    store = _init(rank, world)
+    store = rc.init(rank, world)
     half = [0, 1] if rank < 2 else [2, 3]
-    dist._reconfigure(100 + half[0], _meet(store, f"half{half[0]}", rank, half))
-    split = (dist.get_rank(), dist.get_world_size(), _sum())
-    merged = set(_meet(store, "merge", rank, list(range(world))))
+    dist._reconfigure(100 + half[0], rc.meet(store, f"half{half[0]}", rank, half))
+    split = (dist.get_rank(), dist.get_world_size(), rc.total())
+    merged = set(rc.meet(store, "merge", rank, list(range(world))))
     dist._reconfigure(200, merged)
-    merged = (dist.get_rank(), dist.get_world_size(), _sum())
+    merged = (dist.get_rank(), dist.get_world_size(), rc.total())
     dist.destroy_process_group()
     return split, merged
 
@@ -211,7 +182,7 @@ def test_split_halves_merge_back_in_their_old_order():
 
 
 def _old_torch(rank, world):
-    _init(rank, world)
+    rc.init(rank, world)
     pg = torch_compat.default_group()
     try:
         pg.get_reconfigure_handle()

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from pycoll import torch_compat
-from pycoll.testing.ranks import memfd_maps, rank_store, run_ranks
+from pycoll.testing.ranks import memfd_maps, run_ranks
+from tests.support import reconfigure as rc
 
 pytestmark = [pytest.mark.timeout(180),
               pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning"),
@@ -22,34 +23,16 @@ pytestmark = [pytest.mark.timeout(180),
                                  reason="torch < 2.14 has no reconfigure API")]
 
 
-def _init(rank, world, **kw):
-    store = dist.PrefixStore("job", rank_store())
-    dist.init_process_group("pycoll", rank=rank, world_size=world, store=store,
-                            timeout=timedelta(seconds=20), **kw)
-    return store
-
-
-def _meet(store, step: str, rank: int, members) -> list[str]:
-    store.set(f"{step}/{rank}", dist._get_reconfigure_handle())
-    return [store.get(f"{step}/{r}").decode() for r in members]
-
-
-def _sum() -> float:
-    t = torch.full((3,), float(dist.get_rank() + 1))
-    dist.all_reduce(t)
-    return t[0].item()
-
-
 def _race(rank, world):
     """Rank 0 has an all_reduce in flight (the others never join it) when all reconfigure."""
-    store = _init(rank, world)
+    store = rc.init(rank, world, timeout=20)
     pending = None
     if rank == 0:
         pending = dist.all_reduce(torch.ones(1 << 16), async_op=True)
         time.sleep(0.2)
-    handles = _meet(store, "h", rank, range(world))
+    handles = rc.meet(store, "h", rank, range(world))
     dist._reconfigure(1, handles)
-    out = {"after": _sum()}
+    out = {"after": rc.total()}
     if pending is not None:
         try:
             pending.wait()
@@ -67,19 +50,16 @@ def test_a_reconfigure_racing_an_op_in_flight_fails_the_op_clearly_and_works():
 
 
 def _dies_during(rank, world):
-    store = _init(rank, world)
-    dist._reconfigure(1, _meet(store, "h1", rank, range(world)))
-    handles = _meet(store, "h2", rank, range(world))
+    store = rc.init(rank, world, timeout=20)
+    dist._reconfigure(1, rc.meet(store, "h1", rank, range(world)))
+    handles = rc.meet(store, "h2", rank, range(world))
     if rank == 2:
         os._exit(1)                                # published its handle, then died
-    t0 = time.monotonic()
-    try:
-        dist._reconfigure(2, handles)
-        return "no error"
-    except Exception as exc:  # noqa: BLE001
-        err = (str(exc), time.monotonic() - t0)
-    dist._reconfigure(3, _meet(store, "h3", rank, [0, 1]))   # without it
-    out = (err, _sum())
+    err = rc.outcome(2, handles)
+    if err[0] == "no error":
+        return err[0]
+    dist._reconfigure(3, rc.meet(store, "h3", rank, [0, 1]))   # without it
+    out = (err, rc.total())
     dist.destroy_process_group()
     return out
 
@@ -94,18 +74,15 @@ def test_a_member_dying_during_the_reconfigure_fails_it_at_once_on_every_rank():
 
 def _dead_joiner(rank, world):
     """Process 2 made a group to join, published its handle and exited before the join."""
-    store = _init(rank, world if rank < 2 else 3, enable_reconfigure=True)
-    handles = _meet(store, "h", rank, range(world))
+    store = rc.init(rank, world if rank < 2 else 3, timeout=20, enable_reconfigure=True)
+    handles = rc.meet(store, "h", rank, range(world))
     if rank == 2:
         os._exit(0)
-    t0 = time.monotonic()
-    try:
-        dist._reconfigure(1, handles, timeout=timedelta(seconds=3))
-        return "no error"
-    except Exception as exc:  # noqa: BLE001
-        out = (str(exc), time.monotonic() - t0)
-    dist._reconfigure(2, _meet(store, "h2", rank, [0, 1]))
-    out = (*out, _sum())
+    out = rc.outcome(1, handles, timeout=timedelta(seconds=3))
+    if out[0] == "no error":
+        return out[0]
+    dist._reconfigure(2, rc.meet(store, "h2", rank, [0, 1]))
+    out = (*out, rc.total())
     dist.destroy_process_group()
     return out
 
@@ -119,18 +96,14 @@ def test_a_handle_of_a_dead_process_fails_within_the_timeout_naming_the_wait():
 
 
 def _other_build(rank, world):
-    store = _init(rank, world)
-    handles = _meet(store, "h", rank, range(world))
+    store = rc.init(rank, world, timeout=20)
+    handles = rc.meet(store, "h", rank, range(world))
     # What processes of another pycoll or torch would hand over: rank 1's with other versions.
     fields = handles[1].split(":")
     fields[2] = "9.9.9+torch0.0"
     if rank != 1:
         handles[1] = ":".join(fields)
-    try:
-        dist._reconfigure(1, handles, timeout=timedelta(seconds=5))
-        out = "no error"
-    except Exception as exc:  # noqa: BLE001
-        out = str(exc)
+    out, _ = rc.outcome(1, handles, timeout=timedelta(seconds=5))
     dist.destroy_process_group()
     return out
 
@@ -149,19 +122,17 @@ def _census():
 
 def _generations(rank, world):
     """Process 2 leaves (shrink) and comes back (grow), eight generations in turn."""
-    store = _init(rank, world, enable_reconfigure=True)
+    store = rc.init(rank, world, timeout=20, enable_reconfigure=True)
     seen = []
     for gen in range(1, 9):
         members = [0, 1] if gen % 2 else [0, 1, 2]
         if rank in members:
-            dist._reconfigure(gen, _meet(store, f"g{gen}", rank, members))
+            dist._reconfigure(gen, rc.meet(store, f"g{gen}", rank, members))
             for _ in range(20):
                 t = torch.ones(1 << 18)                 # 1 MiB: the arena's and heap's sizes
                 dist.all_reduce(t)
             assert t[0].item() == len(members)
-        store.add(f"done{gen}", 1)
-        while store.add(f"done{gen}", 0) < world:
-            time.sleep(0.005)
+        rc.all_reach(store, f"done{gen}", world)
         seen.append(_census())
     dist.destroy_process_group()
     return seen
@@ -178,17 +149,11 @@ def test_eight_generations_of_shrink_and_grow_leave_nothing_behind():
 
 def _reuse_by_a_newcomer(rank, world):
     """Processes 0 and 1 used uuid 1; process 2, which never did, is handed it too."""
-    store = _init(rank, world if rank < 2 else 3, enable_reconfigure=True)
+    store = rc.init(rank, world if rank < 2 else 3, timeout=20, enable_reconfigure=True)
     if rank < 2:
-        dist._reconfigure(1, _meet(store, "h1", rank, [0, 1]))
-    store.add("first done", 1)
-    while store.add("first done", 0) < world:
-        time.sleep(0.005)
-    try:
-        dist._reconfigure(1, _meet(store, "h2", rank, range(world)), timeout=timedelta(seconds=10))
-        out = "no error"
-    except Exception as exc:  # noqa: BLE001
-        out = str(exc)
+        dist._reconfigure(1, rc.meet(store, "h1", rank, [0, 1]))
+    rc.all_reach(store, "first done", world)
+    out, _ = rc.outcome(1, rc.meet(store, "h2", rank, range(world)), timeout=timedelta(seconds=10))
     dist.destroy_process_group()
     return out
 

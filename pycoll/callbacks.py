@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -28,6 +29,8 @@ log = logging.getLogger("pycoll")
 IDLE_S = 5.0
 CLOSE_WAIT_S = 5.0   # how long closing a group waits for callbacks still running
 _local = threading.local()
+# Every thread pycoll starts, so that the exit hook can wait for them (``join_all``).
+_STARTED: "weakref.WeakSet[threading.Thread]" = weakref.WeakSet()
 
 
 def is_internal() -> bool:
@@ -55,8 +58,26 @@ def start_thread(body: Callable[[], None], on_error: Callable[[BaseException], N
                  runner: "Runner") -> threading.Thread:
     """A started daemon thread that runs ``body`` under ``guard``."""
     t = threading.Thread(target=guard, args=(body, on_error, name, runner), name=name, daemon=True)
+    _STARTED.add(t)
     t.start()
     return t
+
+
+def join_all(seconds: float) -> list[str]:
+    """Wait up to ``seconds`` in all for every thread pycoll started to end; the names of
+    those still alive then.
+
+    Called at interpreter exit, before Python finalizes: a daemon thread that is inside
+    torch's C++ with the GIL released then (settling a future, reducing a tensor) is stopped
+    by finalization when it takes the GIL back, an unwind that C++ turns into
+    "terminate called without an active exception" (SIGABRT) after a job that succeeded.
+    """
+    deadline = time.monotonic() + seconds
+    me = threading.current_thread()
+    for t in list(_STARTED):
+        if t is not me:
+            t.join(max(0.0, deadline - time.monotonic()))
+    return [t.name for t in list(_STARTED) if t.is_alive() and t is not me]
 
 
 class Runner:
@@ -86,7 +107,9 @@ class Runner:
             else:
                 self._cv.notify_all()   # (close() may wait on the same condition)
         if spawn:
-            threading.Thread(target=self._serve, name=self.name, daemon=True).start()
+            t = threading.Thread(target=self._serve, name=self.name, daemon=True)
+            _STARTED.add(t)
+            t.start()
 
     def _serve(self) -> None:
         _local.serving = self

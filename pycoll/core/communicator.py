@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import atexit
 import functools
-import gc
 import logging
 import threading
 import time
@@ -48,6 +47,8 @@ LIFECYCLE = {OPEN: {CLOSING}, CLOSING: {DRAINING, FREED}, DRAINING: {FREED}, FRE
 # How long a destroy waits for ops still running (queued async ones, or one a user thread
 # drives) before it returns and leaves their end to free the group.
 DESTROY_WAIT = 0.5
+# How long the exit hook waits, in all, for pycoll's threads to end (callbacks.join_all).
+EXIT_JOIN_S = 10.0
 
 Task = Callable[[int, float], None]  # fn(seq, deadline)
 ARRIVALS_WINDOW = max(1, settings.get("PYCOLL_STATS_WINDOW"))
@@ -291,7 +292,6 @@ class Communicator:
                 return
             self._move(CLOSING)
             self._cv.notify_all()
-        _LIVE.discard(self)
         if abort:
             self._abort_transports(reason)
         limit = 5.0 if abort else self.timeout
@@ -326,6 +326,7 @@ class Communicator:
 
     def _free(self, abort: bool) -> None:
         """Release sockets, shared memory and threads: the group is gone."""
+        _LIVE.discard(self)
         if self.observers.closing is not None:
             try:
                 self.observers.closing(self, abort)
@@ -367,22 +368,25 @@ class Communicator:
         return True
 
 
-# Groups still alive at interpreter exit are shut down before Python finalizes: a pycoll
-# thread that Python's finalization stops inside torch's C++ code would end the process
-# with "terminate called without an active exception" (sys.exit with an op in flight).
+# Groups not yet freed at interpreter exit (alive, or destroyed with an op still running) are
+# ended before Python finalizes, and pycoll's threads waited for: a pycoll thread that
+# Python's finalization stops inside torch's C++ code would end the process with
+# "terminate called without an active exception" (sys.exit with an op in flight).
 _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 
 
 @atexit.register
 def _shutdown_at_exit() -> None:
-    # Collect cycles now, while the interpreter is whole: a torch DDP model in a cycle (as
-    # Accelerate's prepared objects are) holds its pycoll group from C++, and freeing that
-    # group at finalization's own collection runs Python in a half-torn-down interpreter
-    # (seen as "terminate called without an active exception" at exit, docs/faults.md).
-    gc.collect()
+    reason = "the process is exiting with collectives in flight"
     for comm in list(_LIVE):
         busy = comm._running or bool(comm._queue)
         try:
-            comm.shutdown(abort=busy, reason="the process is exiting with collectives in flight")
+            if comm.state is OPEN:
+                comm.shutdown(abort=busy, reason=reason)
+            else:   # destroyed while an op still ran (DRAINING): end that op now
+                comm._abort_transports(reason)
         except Exception:  # noqa: BLE001 - nothing may stop the exit
             log.exception("pycoll rank %d: shutdown at exit failed", comm.rank)
+    left = callbacks.join_all(EXIT_JOIN_S)
+    if left:
+        log.warning("pycoll: threads still running at exit after %.0f s: %s", EXIT_JOIN_S, ", ".join(left))

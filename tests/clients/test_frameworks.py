@@ -31,19 +31,31 @@ def _env() -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("PYCOLL_", "MASTER_", "RANK", "WORLD", "LOCAL_RANK", "TORCHELASTIC"))}
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONFAULTHANDLER"] = "1"   # a rank that crashes prints every thread's stack
     return env
 
 
-def _run(cmd: list[str], cwd) -> str:
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=cwd)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-4000:]
+# torch's own gloo, not pycoll: a gloo worker thread that drops its last Work while Python
+# finalizes takes the GIL to free the Work's saved thread-local state, and finalization stops
+# it there, which C++ turns into std::terminate (the backtrace and how often: docs/faults.md;
+# the mechanism: pytorch/pytorch#179291). A gloo reference run that ends so is run once more;
+# pycoll's runs get no second try.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def _run(cmd: list[str], cwd, reference: bool = False) -> str:
+    for attempt in (1, 2):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=cwd)
+        if proc.returncode == 0 or not (reference and attempt == 1 and GLOO_EXIT_ABORT in proc.stderr):
+            break
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-12000:]
     return proc.stdout
 
 
 def _torchrun(script: str, mode: str, out, cwd) -> str:
     # --standalone: torchrun's own rendezvous on a port the OS picks
     return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                 str(EXAMPLES / script), mode, str(out)], cwd)
+                 str(EXAMPLES / script), mode, str(out)], cwd, reference=mode == "gloo")
 
 
 def _same(tmp_path, pycoll_json, gloo_json) -> None:
@@ -56,7 +68,7 @@ def _same(tmp_path, pycoll_json, gloo_json) -> None:
 def test_lightning_ddp_strategy_by_name(tmp_path):
     for backend in ("pycoll", "gloo"):
         _run([sys.executable, str(EXAMPLES / "lightning_ddp.py"), backend, str(tmp_path / f"{backend}_out.json")],
-             tmp_path)
+             tmp_path, reference=backend == "gloo")
     _same(tmp_path, tmp_path / "pycoll_out.json", tmp_path / "gloo_out.json")
 
 

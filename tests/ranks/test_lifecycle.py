@@ -140,6 +140,38 @@ def test_sys_exit_with_async_ops_in_flight_exits_cleanly(tmp_path):
     assert not bad, bad
 
 
+BUSY_THREAD_SCRIPT = """
+import sys, time
+import torch
+from pycoll import callbacks
+import pycoll.core.communicator   # registers the exit hook
+
+a = torch.randn(400, 400)
+def body():
+    end = time.monotonic() + float(sys.argv[1])
+    while time.monotonic() < end:
+        torch.mm(a, a)   # torch's C++ with the GIL released
+callbacks.start_thread(body, lambda exc: None, "pycoll-busy", callbacks.Runner("r"))
+time.sleep(0.2)
+sys.exit(0)
+"""
+
+
+def test_exit_waits_for_a_pycoll_thread_still_inside_torch(tmp_path):
+    # A daemon thread inside torch's C++ when Python finalizes is stopped there, and C++ turns
+    # that into std::terminate (SIGABRT): 6 of 6 exits without the exit hook's join.
+    import subprocess
+    import sys
+
+    script = tmp_path / "busy.py"
+    script.write_text(BUSY_THREAD_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for _ in range(3):
+        p = subprocess.run([sys.executable, str(script), "1.0"], env=env, capture_output=True, text=True,
+                           timeout=60)
+        assert p.returncode == 0 and "terminate called" not in p.stderr, (p.returncode, p.stderr[-500:])
+
+
 # -- destroy while another thread's collective waits for a late peer ------------------------
 def _destroy_under_a_waiting_op(rank, world, peer_comes):
     """Rank 0 destroys its group while its other thread's all_reduce waits for rank 1, who

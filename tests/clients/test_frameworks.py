@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,8 @@ def _run(cmd: list[str], cwd, reference: bool = False) -> str:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env(), cwd=cwd)
         if proc.returncode == 0 or not (reference and attempt == 1 and GLOO_EXIT_ABORT in proc.stderr):
             break
+        warnings.warn(f"gloo reference run aborted at exit (torch's gloo, see GLOO_EXIT_ABORT); "
+                      f"running it again: {' '.join(cmd[-3:])}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-12000:]
     return proc.stdout
 

@@ -379,10 +379,9 @@ _LIVE: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 def _shutdown_at_exit() -> None:
     reason = "the process is exiting with collectives in flight"
     for comm in list(_LIVE):
-        busy = comm._running or bool(comm._queue)
         try:
             if comm.state is OPEN:
-                comm.shutdown(abort=busy, reason=reason)
+                comm.shutdown(abort=comm._running or bool(comm._queue), reason=reason)
             else:   # destroyed while an op still ran (DRAINING): end that op now
                 comm._abort_transports(reason)
         except Exception:  # noqa: BLE001 - nothing may stop the exit

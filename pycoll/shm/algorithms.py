@@ -173,15 +173,16 @@ def _all_reduce_pair(arena: ShmArena, t: torch.Tensor, red: Reduction, barrier) 
         put(both[me][at_p:at_p + n_p], buf[off + lo_p:off + lo_p + n_p])
         return off, both[me], both[1 - me], lo_m, n_m, lo_p, n_p
 
-    todo = list(rounds(t.numel(), cap))
-    cur = stage(*todo[0])
+    first, *later = rounds(t.numel(), cap)
+    staged = stage(*first)
     barrier()
-    for k in range(len(todo)):
-        off, mine, peer, lo_m, n_m, lo_p, n_p = cur
+    for nxt in later + [None]:
+        off, mine, peer, lo_m, n_m, lo_p, n_p = staged
         out, theirs = buf[off + lo_m:off + lo_m + n_m], peer[at_m:at_m + n_m]
         combine(*((out, theirs) if me == 0 else (theirs, out)), out)
         put(mine[at_m:at_m + n_m], out)
-        cur = stage(*todo[k + 1]) if k + 1 < len(todo) else None
+        if nxt is not None:
+            staged = stage(*nxt)
         barrier()
         put(buf[off + lo_p:off + lo_p + n_p], peer[at_p:at_p + n_p])
 

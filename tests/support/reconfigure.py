@@ -47,8 +47,12 @@ def outcome(uuid: int, handles, **kw) -> tuple[str, float]:
     return out, time.monotonic() - t0
 
 
-def all_reach(store, key: str, world: int) -> None:
-    """Every one of ``world`` processes has reached ``key`` (a Store handshake)."""
+def all_reach(store, key: str, world: int, timeout: float = 60) -> None:
+    """Every one of ``world`` processes has reached ``key`` (a Store handshake), within
+    ``timeout`` seconds."""
     store.add(key, 1)
-    while store.add(key, 0) < world:
+    deadline = time.monotonic() + timeout
+    while (arrived := store.add(key, 0)) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{arrived} of {world} processes reached {key!r} in {timeout:g} s")
         time.sleep(0.005)

@@ -1,6 +1,6 @@
 """Every private or version-dependent piece of torch that pycoll touches, in one place.
 
-pycoll is tested with torch 2.13 and 2.14 (README). Newer releases may move what is private; each
+pycoll is tested with torch 2.13, 2.14 and 2.15 (README). Newer releases may move what is private; each
 piece is looked up here, once, and a missing one fails with a message that names this
 torch's version and the piece, instead of an AttributeError deep inside a collective.
 Optional pieces (the Dynamo skip) degrade with one log line.
@@ -25,7 +25,7 @@ import torch.distributed.distributed_c10d as c10d
 
 log = logging.getLogger("pycoll")
 
-TESTED = "2.13 and 2.14"
+TESTED = "2.13, 2.14 and 2.15"
 
 
 class TorchCompatError(RuntimeError):
@@ -210,6 +210,22 @@ def shrink_group(pg, excluded: list[int], flags: int, build):
     if register is not None:
         register(name, new)
     return new
+
+
+# -- torch's per-op hooks (``pycoll.c10d.dispatch``) -----------------------------------------
+c10d_classes = torch._C._distributed_c10d   # Backend, FlightRecorderHook, NanCheckHook (by release)
+
+
+def recorded_groups() -> dict:
+    """torch's table of the groups it attached its Flight Recorder to (torch >= 2.15; torch
+    clears and pops it, never replaces it), or an empty dict where torch has none."""
+    table = getattr(getattr(c10d, "_world", None), "pg_flight_recorder_hooks", None)
+    return table if isinstance(table, dict) else {}
+
+
+def global_ranks(pg) -> list[int]:
+    """The global ranks of ``pg``'s members in group-rank order, as torch recorded them."""
+    return list(_need(c10d, "_world", "the process-group registry").pg_group_ranks.get(pg, {}))
 
 
 # -- the reconfigure API (torch >= 2.14) --------------------------------------------------

@@ -14,21 +14,26 @@ from __future__ import annotations
 import logging
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from pycoll import observe, rendezvous, torch_compat
-from pycoll.c10d import cpu, p2p, plans, reconfigure, shrink
+from pycoll.c10d import cpu, dispatch, p2p, plans, reconfigure, shrink
 from pycoll.c10d.lookups import DeviceLookups
 from pycoll.core.collectives import all_reduce_task
 from pycoll.core.communicator import Communicator
 from pycoll.core.work import Work, completed
 from pycoll.cuda import channel_for
+from pycoll.cuda.paths import backend_devices
 
 log = logging.getLogger("pycoll")
 
 
 class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
     is_pycoll = True   # how torch_compat's wrappers tell a pycoll group from others
+    _torch_hooks = False      # a hook is on the group that only torch's path runs (``dispatch``)
+    _torch_path = None        # the group's own C++ ProcessGroup (``dispatch``; torch >= 2.14)
+    _mirrored_recorder = None
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta, *,
                  enable_reconfigure: bool = False) -> None:
@@ -42,6 +47,7 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
         self._abort_hooks: dict = {}
         self._uuids: set[int] = set()  # reconfigure uuids this group has tried
         self._uuid = -1                # the reconfigure it is in (-1: as made)
+        dispatch.attach(self, backend_devices(torch.version.cuda is not None))
         if enable_reconfigure:         # no members until the first reconfigure, as gloo's
             self._first_rank = -1
             self._store = None
@@ -91,7 +97,16 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
     def getGroupDesc(self) -> str:
         return getattr(self, "_group_desc", "")
 
+    # torch runs a group's pre and post hooks in its C++ op methods: a group with one
+    # sends its ops through a C++ ProcessGroup of its own (``dispatch``).
+    def register_pre_hook(self, hook_id: int, hook) -> None:
+        dispatch.register_hook(self, "pre", hook_id, hook)
+
+    def register_post_hook(self, hook_id: int, hook) -> None:
+        dispatch.register_hook(self, "post", hook_id, hook)
+
     # -- collectives --------------------------------------------------------------------
+    @dispatch.op
     def allreduce(self, tensors, opts=None):
         opts = opts or dist.AllreduceOptions()
         fast = plans.latency_allreduce(self._size, tensors, opts)
@@ -102,59 +117,74 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
         plan = plans.allreduce(self._rank, self._size, tensors, opts)
         return self._dispatch(plan, plans.allreduce, opts, (tensors,))
 
+    @dispatch.op
     def allreduce_coalesced(self, tensors, opts=None):
         return self._call(plans.allreduce_coalesced, opts, tensors)
 
+    @dispatch.op
     def reduce(self, tensors, opts=None):
         return self._call(plans.reduce, opts, tensors)
 
+    @dispatch.op
     def reduce_scatter(self, output_tensors, input_tensors, opts=None):
         return self._call(plans.reduce_scatter, opts, output_tensors,
                           input_tensors)
 
+    @dispatch.op
     def reduce_scatter_single(self, output, input, opts=None):
         return self._call(plans.reduce_scatter_single, opts, output, input)
 
-    _reduce_scatter_base = reduce_scatter_single
+    _reduce_scatter_base = dispatch.alias("_reduce_scatter_base", reduce_scatter_single)
 
+    @dispatch.op
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        return self._coalesced(self.reduce_scatter_single, outputs, inputs, opts)
+        return self._coalesced(ProcessGroupPycoll.reduce_scatter_single, outputs, inputs, opts)
 
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+    reduce_scatter_tensor_coalesced = dispatch.alias("reduce_scatter_tensor_coalesced", reduce_scatter_single_coalesced)
 
+    @dispatch.op
     def broadcast(self, tensors, opts=None):
         return self._call(plans.broadcast, opts, tensors)
 
+    @dispatch.op
     def allgather(self, output_tensors, input_tensors, opts=None):
         return self._call(plans.allgather, opts, output_tensors, input_tensors)
 
+    @dispatch.op
     def all_gather_single(self, output, input, opts=None):
         return self._call(plans.all_gather_single, opts, output, input)
 
-    _allgather_base = all_gather_single
+    _allgather_base = dispatch.alias("_allgather_base", all_gather_single)
 
+    @dispatch.op
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
-        return self._coalesced(self.all_gather_single, outputs, inputs, opts)
+        return self._coalesced(ProcessGroupPycoll.all_gather_single, outputs, inputs, opts)
 
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    allgather_into_tensor_coalesced = dispatch.alias("allgather_into_tensor_coalesced", all_gather_single_coalesced)
 
+    @dispatch.op
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self._call(plans.allgather_coalesced, opts, output_lists, input_list)
 
+    @dispatch.op
     def gather(self, output_tensors, input_tensors, opts=None):
         return self._call(plans.gather, opts, output_tensors, input_tensors)
 
+    @dispatch.op
     def scatter(self, output_tensors, input_tensors, opts=None):
         return self._call(plans.scatter, opts, output_tensors, input_tensors)
 
+    @dispatch.op
     def alltoall(self, output_tensors, input_tensors, opts=None):
         return self._call(plans.alltoall, opts, output_tensors, input_tensors)
 
+    @dispatch.op
     def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         return self._call(plans.all_to_all_single, opts, output, input, output_split_sizes, input_split_sizes)
 
-    alltoall_base = all_to_all_single
+    alltoall_base = dispatch.alias("alltoall_base", all_to_all_single)
 
+    @dispatch.op
     def barrier(self, opts=None):
         plan = plans.barrier(self._rank, self._size, opts)
         if plan.device is not None:
@@ -166,12 +196,15 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
         return self._run_cpu(plan, opts)
 
     # -- point to point ----------------------------------------------------------------------
+    @dispatch.op
     def send(self, tensors, dst_rank: int, tag: int = 0):
         return self._call(plans.send, None, tensors, dst_rank, tag)
 
+    @dispatch.op
     def recv(self, tensors, src_rank: int, tag: int = 0):
         return self._call(plans.recv, None, tensors, src_rank, tag)
 
+    @dispatch.op
     def recv_anysource(self, tensors, tag: int = 0):
         return self._call(plans.recv_anysource, None, tensors, tag)
 
@@ -265,7 +298,8 @@ class ProcessGroupPycoll(DeviceLookups, dist.ProcessGroup):
     def _coalesced(self, fn, outputs, inputs, opts) -> Work:
         if len(outputs) != len(inputs):
             raise ValueError("coalesced collective: output and input lists differ in length")
-        works = [fn(o, i, opts) for o, i in zip(outputs, inputs)]
+        fn = getattr(fn, "impl", fn)   # each part runs directly: torch's hooks saw the whole call
+        works = [fn(self, o, i, opts) for o, i in zip(outputs, inputs)]
         if not works:
             return completed("coalesced", [])
         return works[-1]  # ops complete in issue order, so the last one finishing covers all

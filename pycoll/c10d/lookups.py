@@ -42,6 +42,12 @@ class DeviceLookups:
             raise RuntimeError(f"No backend type associated with device type {kind}")
         return self
 
+    get_backend = _get_backend   # torch 2.15's public name (``get_backend_impl``)
+
+    # A property torch's C++ trampoline looks up on a Python group finds the inherited one
+    # and calls it again without end (RecursionError on torch 2.15): answered here.
+    supports_window = False      # no symmetric-memory windows, as gloo
+
     supports_splitting = True
     supports_coalescing = False
 
@@ -76,6 +82,18 @@ class DeviceLookups:
         """The timeout of every later op (``dist.distributed_c10d._set_pg_timeout``)."""
         self._timeout = timeout
         self._comm.timeout = timeout.total_seconds()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """torch 2.15's ``dist.set_timeout(timeout, group)``."""
+        self._set_default_timeout(timeout)
+
+    def _get_sequence_number_for_group(self) -> int:
+        """How many collectives this rank has issued on the group (gloo's answer too)."""
+        return getattr(self._comm, "_seq", 0)
+
+    def _enable_collectives_timing(self) -> None:
+        """gloo times its ops for the Flight Recorder's durations; the recorder's hooks that
+        see pycoll's ops keep no durations, so there is nothing to switch on."""
 
     def eager_connect_single_device(self, device=None) -> None:
         """Connections are made at construction: nothing is left to connect."""

@@ -33,8 +33,10 @@ import torch
 import torch.distributed as dist
 
 from pycoll import observe, rendezvous, torch_compat
+from pycoll.c10d import dispatch
 from pycoll.core.communicator import Communicator
 from pycoll.core.work import completed
+from pycoll.cuda.paths import backend_devices
 from pycoll.errors import PycollError
 
 PREFIX = "pycoll1"   # the handle format's name and version
@@ -161,6 +163,7 @@ def run(pg, opts):
         pg._cuda = None
     pg._comm, pg._store, pg._uuid = comm, store, uuid
     pg._rank, pg._size = rank, size
+    dispatch.attach(pg, backend_devices(torch.version.cuda is not None))   # c10d's copies of rank and size
     if pg._first_rank < 0:
         pg._first_rank = rank
     old.shutdown()                      # with its goodbyes: the others' watches see no death

@@ -64,6 +64,8 @@ def cached_schedule(collective: str, algo: str, rank: int, world: int, *args):
 class Communicator:
     """One rank of one group. ``observers``: what watches it (``core.observer``)."""
 
+    recording = 0
+
     def __init__(self, store, rank: int, world: int, timeout: float, *,
                  observers: Sequence[Observer] = (), algo_overrides: dict[str, str] | None = None) -> None:
         self.rank, self.world, self.timeout = rank, world, timeout
@@ -97,6 +99,9 @@ class Communicator:
         # start, end), for pycoll.stats (docs/observability.md).
         self.current: tuple[str, int, float] | None = None
         self.arrivals: deque = deque(maxlen=ARRIVALS_WINDOW)
+        # (seq, torch Flight Recorder's collective_seq_id) of the ops the recorder saw, so
+        # the hang dump names an op by both; ``recording``: the next op's (``c10d.dispatch``).
+        self.recorded: deque = deque(maxlen=256)
         self._worker = callbacks.start_thread(self._work_loop, self.fail, f"pycoll-worker-{rank}",
                                               self.runner)
         _LIVE.add(self)
@@ -112,6 +117,9 @@ class Communicator:
                 raise PycollError(f"{op}: process group has been destroyed")
             seq = self._seq
             self._seq += 1
+            if self.recording:
+                self.recorded.append((seq, self.recording))
+                self.recording = 0
             # The common blocking call with nothing queued before it runs at once, here:
             # the same as _drive would do, without its queue round trip, and its Work is
             # born finished.
@@ -274,7 +282,7 @@ class Communicator:
                 "closed": self.state is not OPEN, "current": self.current, "queued": len(self._queue),
                 "schedules": [p for p in (ex.progress(live) for ex in execs) if p is not None],
                 "shm": self.arena.progress() if self.arena is not None else None,
-                "p2p": self.p2p.pending()}
+                "p2p": self.p2p.pending(), "recorded": dict(self.recorded)}
 
     # -- lifecycle -------------------------------------------------------------------
     def shutdown(self, abort: bool = False, reason: str = "aborted by the user") -> None:

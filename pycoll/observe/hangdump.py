@@ -87,7 +87,9 @@ def format_snapshot(snap: dict) -> str:
     if cur is None:
         return f"idle, {queued} op(s) queued" + _p2p(snap["p2p"])
     op, seq, t0 = cur
-    parts = [f"in {op} seq {seq} ({snap['mode']}) for {time.monotonic() - t0:.3f} s, {queued} more queued"]
+    recorded = snap.get("recorded", {}).get(seq)
+    also = "" if recorded is None else f" (Flight Recorder collective_seq_id {recorded})"
+    parts = [f"in {op} seq {seq} ({snap['mode']}){also} for {time.monotonic() - t0:.3f} s, {queued} more queued"]
     for sched, sig, isz, step, progress, ranks in snap["schedules"]:
         if sig.seq == seq:
             parts.append(_schedule_state(sched, isz, step, progress, ranks))

@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from pycoll.c10d import dispatch
 from pycoll.testing.ranks import run_ranks
 
 C10D = torch._C._distributed_c10d
 RECORDS = hasattr(c10d, "_maybe_attach_flight_recorder")   # torch attaches the recorder itself
 needs_recorder = pytest.mark.skipif(not RECORDS, reason="torch attaches no Flight Recorder before 2.15")
-needs_hooks = pytest.mark.skipif(not hasattr(dist.ProcessGroup, "register_pre_hook"),
-                                 reason="this torch has no ProcessGroup pre/post hooks")
+needs_hooks = pytest.mark.skipif(not (hasattr(dist.ProcessGroup, "register_pre_hook") and dispatch.backend_supported()),
+                                 reason="this torch has no ProcessGroup hooks or no Python c10d Backend")
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning", "ignore::UserWarning")
 
 

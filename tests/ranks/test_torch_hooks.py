@@ -142,8 +142,8 @@ def test_a_users_pre_and_post_hooks_see_every_op_as_on_gloo():
     gloo = run_ranks(_user_hooks, 2, backend="gloo")
     ours = run_ranks(_user_hooks, 2, backend="pycoll")
     assert ours == gloo
-    assert [s[1] for s in ours[0] if s[0] == "pre"] == ["HookOpName.ALLREDUCE", "HookOpName.BROADCAST",
-                                                        "HookOpName.ALLGATHER_BASE"]
+    pre = [s[1] for s in ours[0] if s[0] == "pre"]   # (2.14 calls the tensor all_gather ALLGATHER)
+    assert pre[:2] == ["HookOpName.ALLREDUCE", "HookOpName.BROADCAST"] and pre[2].startswith("HookOpName.ALLGATHER")
 
 
 def _nan_check(rank, world):

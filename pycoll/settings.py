@@ -51,6 +51,7 @@ TABLE: tuple[Setting, ...] = (
     Setting("PYCOLL_STATS_WINDOW", int, 1024, "1024", "arrivals per peer kept for pycoll.stats"),
     Setting("PYCOLL_CLOCK_SYNC", str, "", "off (measured across hosts only)", "measure: align trace clocks on one host too"),
     Setting("PYCOLL_HANGDUMP", str, "1", "`1`", "0: SIGUSR1 does not log the pending collectives"),
+    Setting("PYCOLL_P2P_TRANSPORT", str, "auto", "`auto`", "tcp: point-to-point on one host over sockets too"),
     Setting("PYCOLL_MAX_UNEXPECTED_BYTES", _bytes, GiB, "1 GiB", "cap on buffered unexpected p2p messages"),
     Setting("PYCOLL_AUTH_KEY", str, "", "none", "a key every rank gets out of band"),
     Setting("PYCOLL_AUTH_KEY_FILE", str, "", "none", "a file holding that key"),

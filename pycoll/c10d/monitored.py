@@ -29,7 +29,7 @@ def monitored_barrier(pg, tag: int, timeout, wait_all_ranks: bool):
         # which rank is missing; the others wait a second longer for its verdict.
         eng.isend(0, tag, token, "uint8", 1, deadline)
         ack = eng.irecv(0, tag, byte_view(torch.zeros(1, dtype=torch.uint8)), "uint8", 1, deadline + 1)
-        if not ack.done.wait(max(0.0, deadline - time.monotonic()) + 1) or ack.error is not None:
+        if not eng.wait(ack, max(0.0, deadline - time.monotonic()) + 1) or ack.error is not None:
             error = CommTimeoutError(
                 f"Rank {rank} successfully reached monitoredBarrier, but received errors while waiting "
                 f"for send/recv from rank 0. Please check rank 0 logs for faulty rank.",
@@ -50,7 +50,7 @@ def monitored_barrier(pg, tag: int, timeout, wait_all_ranks: bool):
             raise PycollError(f"Rank 0 timed out in monitoredBarrier after {ms} ms.\n"
                               + (f"Successfully processed ranks: {done}" if passed
                                  else "No ranks successfully processed in monitoredBarrier."))
-        req.done.wait(max(0.0, left))
+        eng.wait(req, max(0.0, left))
         if req.error is not None or not req.done.is_set():
             missing.append(p)
             if not wait_all_ranks:

@@ -8,6 +8,7 @@ request's completion finishes. Also gloo's monitored barrier, which runs on the 
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 import torch
 
@@ -31,7 +32,7 @@ def post(comm, plan: Plan, timeout_s: float) -> Work:
     check_user_tag(plan.tag, plan.op)
     f, peer = plan.args
     back, t = plan.finish, plan.outputs[0]
-    work = Work(plan.op, plan.tag, [t])
+    work = P2PWork(plan.op, plan.tag, [t])
 
     def done(r):
         # The engine's thread, holding no lock: pycoll's write-back, then the Work, whose
@@ -50,8 +51,40 @@ def post(comm, plan: Plan, timeout_s: float) -> Work:
 
     engine = comm.p2p
     fn = engine.isend if plan.op == "send" else engine.irecv
-    fn(peer, plan.tag, byte_view(f), collectives.dtype_name(f.dtype), f.numel(), time.monotonic() + timeout_s, done)
+    req = fn(peer, plan.tag, byte_view(f), collectives.dtype_name(f.dtype), f.numel(), time.monotonic() + timeout_s,
+             done)
+    local = engine.local
+    if local is not None and not req.done.is_set() and local.drives(req):
+        work._req, work._local = req, local
     return work
+
+
+class P2PWork(Work):
+    """A send's or receive's Work. One with a rank of this host progresses where it is
+    waited for (``pycoll.transport.tcp.p2p_local``): ``wait`` polls the rings in the caller's
+    thread, ``is_completed`` looks once, and a future makes the engine's thread watch."""
+
+    _req = None
+    _local = None
+
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        if not self._done and self._local is not None:
+            limit = timeout.total_seconds() if timeout else None
+            end = None if limit is None else time.monotonic() + limit
+            self._local.drive(self._req, end)
+            if end is not None:   # what is left of the timeout (0 would mean none)
+                timeout = timedelta(seconds=max(1e-6, end - time.monotonic()))
+        return super().wait(timeout)
+
+    def is_completed(self) -> bool:
+        if not self._done and self._local is not None:
+            self._local.poke(self._req)
+        return self._done
+
+    def get_future(self) -> torch.futures.Future:
+        if not self._done and self._local is not None:
+            self._local.observe(self._req)
+        return super().get_future()
 
 
 def monitored_barrier(pg, call: int, timeout, wait_all_ranks: bool):

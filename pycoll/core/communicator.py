@@ -84,7 +84,7 @@ class Communicator:
         self._before_op, self._after_op, self._failed = obs.before_op, obs.after_op, obs.failed
         # User callbacks of futures that pycoll's own threads complete run here (callbacks.py).
         self.runner = callbacks.Runner(f"pycoll-callbacks-{rank}")
-        self.p2p = P2PEngine(rank, world, w.p2p_socks, self.runner)
+        self.p2p = P2PEngine(rank, world, w.p2p_socks, self.runner, setup.p2p_links(store, w, rank, timeout))
         self.tuner = Tuner(world, algo_overrides, cores=w.crowded_cores)
         self.error: BaseException | None = None
         self._seq = 0

@@ -19,6 +19,7 @@ from pycoll.core.executor import Executor
 from pycoll.transport import spin
 from pycoll.transport.base import Transport
 from pycoll.shm.arena import ShmArena
+from pycoll.shm.links import Links
 from pycoll.transport.tcp.mesh import build_mesh
 from pycoll.transport.tcp.transport import TcpTransport
 
@@ -105,3 +106,16 @@ def wire(store, rank: int, world: int, timeout: float, observe_transport=None) -
     if mode == "hierarchical" and rank in w.leaders:
         w.leader_executor = Executor(wrap(tcp.subset(w.leaders)), segment)
     return w
+
+
+def p2p_links(store, w: Wiring, rank: int, timeout: float):
+    """What makes this rank's shared-memory point-to-point links (given its engine's wake
+    pipe), or None: point-to-point with the ranks of this host goes through shared memory
+    wherever the group has an arena, unless ``PYCOLL_P2P_TRANSPORT=tcp``."""
+    choice = settings.get("PYCOLL_P2P_TRANSPORT").lower()
+    if choice not in ("auto", "tcp"):
+        raise ValueError(f"PYCOLL_P2P_TRANSPORT={choice!r}: choose auto or tcp")
+    if choice == "tcp" or w.arena is None or len(w.local_ranks) < 2:
+        return None
+    key = f"pycoll/p2p/{w.host_of[rank]}"
+    return lambda wake_fd: Links(store, key, w.local_ranks, rank, wake_fd, timeout)

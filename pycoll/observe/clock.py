@@ -59,7 +59,7 @@ def sync_clock(comm, tag: int = tags.CLOCK, rounds: int = CLOCK_ROUNDS) -> tuple
         t = torch.tensor(values if values is not None else [0.0, 0.0], dtype=torch.float64)
         fn = eng.isend if kind == "send" else eng.irecv
         req = fn(peer, tag, byte_view(t), "float64", 2, deadline)
-        if not req.done.wait(max(0.0, deadline - time.monotonic())) or req.error is not None:
+        if not eng.wait(req, max(0.0, deadline - time.monotonic())) or req.error is not None:
             raise req.error or TimeoutError(f"clock exchange with rank {peer} timed out")
         return t.tolist()
 

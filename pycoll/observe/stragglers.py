@@ -79,7 +79,7 @@ def collect(comm, timeout: float | None = None) -> dict:
         if p != rank:
             reqs.append(eng.isend(p, tag, byte_view(mine.view(-1)), "float64", 3 * WINDOW + 3, deadline))
     for req in reqs:
-        if not req.done.wait(max(0.0, deadline - time.monotonic())) or req.error is not None:
+        if not eng.wait(req, max(0.0, deadline - time.monotonic())) or req.error is not None:
             raise req.error or TimeoutError(f"pycoll.stats: rank {rank} timed out exchanging arrivals "
                                             f"with {req.describe()}")
     errors = [float(t[-1, 1]) for t in tables]

@@ -193,7 +193,9 @@ def test_damaged_frame_is_rejected_on_every_rank(kind, cls, text):
     for r, o in enumerate(out):
         assert o["status"] == "ok", explain(out)
         info = o["value"]
-        assert info["err"] is not None and info["n"] == 2, info
+        # Rank 2 of 3 may still be finishing seq 1 (recursive doubling's extra rank gets its
+        # result last) when rank 0's abort reaches it: it fails there, for the same reason.
+        assert info["err"] is not None and info["n"] in ((2,) if r != 2 else (1, 2)), info
         if r != 0:
             assert info["err"] == cls and text in info["msg"], (r, info)
         assert info["fds_left"] <= 0 and info["threads"] == [], info

@@ -1,14 +1,19 @@
-"""Point-to-point engine: send/recv with tags and any-source receive, on dedicated sockets.
+"""Point-to-point engine: send/recv with tags and any-source receive, one matching for all peers.
 
-One progress thread per group serves the point-to-point sockets (separate from the
-collective sockets, so an unmatched large ``isend`` never blocks a collective). It always
-reads: a frame that matches a posted receive (same source or any source, same tag, in
-posting order) is read straight into that receive's tensor; one that matches nothing yet
-is kept as an unexpected message until a receive claims it (MPI's eager protocol). Sends
-to a peer go out in posting order: one with nothing queued before it is written by the
-caller's thread as far as the socket takes it, the rest by the progress thread. So
-``isend``/``irecv`` pairs in any order, rings of blocking sends and batch_isend_irecv all
-complete without deadlock.
+Ranks of this host are reached through shared memory (``p2p_local``: a ring per ordered
+pair, never a socket), ranks of other hosts over dedicated sockets (``p2p_stream``; apart
+from the collective sockets, so an unmatched large ``isend`` never blocks a collective).
+One set of posted receives and unexpected messages serves both: a message that matches a
+posted receive (same source or any source, same tag, in posting order) is read straight
+into that receive's tensor; one that matches nothing yet is kept as an unexpected message
+until a receive claims it (MPI's eager protocol). Sends to a peer go out in posting order:
+one with nothing queued before it is written by the caller's thread as far as the socket
+or ring takes it, the rest by the progress thread (or, for a local peer, by a thread
+waiting on it). So ``isend``/``irecv`` pairs in any order, rings of blocking sends and
+batch_isend_irecv all complete without deadlock.
+
+One progress thread per group sleeps in ``poll`` on the sockets and a wake pipe, which is
+also the bell a local peer rings when it wrote and nobody of this rank polls its rings.
 
 Memory is bounded: unexpected messages may hold at most ``PYCOLL_MAX_UNEXPECTED_BYTES``
 (default 1 GiB) in all; a header claiming more is a protocol error for that peer, raised
@@ -29,12 +34,10 @@ from collections import deque
 
 from pycoll import callbacks, settings
 from pycoll.errors import CommError, CommTimeoutError, PeerClosedError, ProtocolError
-from pycoll.transport.base import control_error
-from pycoll.transport.frames import control_reason, next_frame
-from pycoll.transport.tcp.p2p_requests import ANY, Discard, Incoming, Request, size_error, too_big, write
+from pycoll.transport.tcp import p2p_local, p2p_stream
+from pycoll.transport.tcp.p2p_requests import ANY, Discard, Incoming, Message, Request, size_error, too_big, write
 from pycoll.transport.tcp.conn import Conn
 from pycoll.wire import (
-    ABORT,
     BYE,
     DATA,
     Header,
@@ -50,7 +53,9 @@ MAX_UNEXPECTED_BYTES = settings.get("PYCOLL_MAX_UNEXPECTED_BYTES")
 
 class P2PEngine:
     def __init__(self, rank: int, world: int, socks: dict[int, socket.socket],
-                 runner: callbacks.Runner | None = None) -> None:
+                 runner: callbacks.Runner | None = None, links=None) -> None:
+        """``links(wake_fd)``, where given, makes this rank's shared-memory links to the
+        ranks of its host (``pycoll.shm.links.Links``), whose bell is the engine's wake pipe."""
         self.rank, self.world = rank, world
         self._own_runner = runner is None
         runner = runner or callbacks.Runner(f"pycoll-callbacks-{rank}")
@@ -59,7 +64,7 @@ class P2PEngine:
         self._lock = threading.Lock()
         self._sends: dict[int, deque[Request]] = {p: deque() for p in socks}
         self._posted: list[Request] = []
-        self._unexpected: deque[tuple[int, int, Header, memoryview]] = deque()  # (order, peer, hdr, data)
+        self._unexpected: deque[tuple[int, int, Message, memoryview]] = deque()  # (order, peer, msg, data)
         self._reading: dict[int, Incoming] = {}
         self._order = itertools.count()
         self._unexpected_bytes = 0
@@ -73,7 +78,18 @@ class P2PEngine:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
+        # The ranks of this host, reached through shared memory (``pycoll.shm.links``): their
+        # sockets carry no bytes, but stay open and watched, so a peer's death is an EOF.
+        self.local = None
+        if links is not None:
+            try:
+                self.local = p2p_local.Local(self, links(self._wake_w))
+            except BaseException:
+                os.close(self._wake_r)
+                os.close(self._wake_w)
+                raise
         self._thread: threading.Thread | None = None
+        self.sleep_until = 0.0   # when the progress thread's poll ends at the latest
         if self.conns:
             self._thread = callbacks.start_thread(self._loop, self._thread_failed, f"pycoll-p2p-{rank}", runner)
 
@@ -81,15 +97,18 @@ class P2PEngine:
     def isend(self, peer: int, tag: int, buf: memoryview, dtype: str, numel: int, deadline: float,
               on_done=None) -> Request:
         req = Request("send", peer, tag, Signature("p2p", tag, dtype, numel), buf, deadline, on_done)
+        if self.local is not None and peer in self.local.peers:
+            return self.local.isend(req)
         req.header = Header(DATA, req.sig, 0, 0, len(buf)).encode()
+        queued = False
         with self._lock:
             if not self._refuse(req):
                 if not self._sends[peer] and self._send_now(req):
                     self._finish(req)
                 else:
                     self._sends[peer].append(req)
-                    req = None
-        if req is None:
+                    queued = True
+        if queued:
             self._wake()
         else:
             self._run_finished()
@@ -112,11 +131,11 @@ class P2PEngine:
         with self._lock:
             if not self._refuse(req):
                 for item in self._unexpected:
-                    _, src, hdr, data = item
-                    if (peer in (ANY, src)) and hdr.sig.seq == tag:
+                    _, src, msg, data = item
+                    if (peer in (ANY, src)) and msg.tag == tag:
                         self._unexpected.remove(item)
                         self._unexpected_bytes -= len(data)
-                        self._complete_recv(req, src, hdr, data)
+                        self._complete_recv(req, src, msg, data)
                         break
                 else:
                     if peer != ANY and peer in self._dead:
@@ -124,11 +143,29 @@ class P2PEngine:
                     else:
                         self._posted.append(req)
                         posted = True
-        if posted:
+                        if self.local is not None:   # what a local peer already wrote
+                            posted = not self.local.receive_for(req)
+        if posted and (peer == ANY or peer in self.conns and (self.local is None or peer not in self.local.peers)):
             self._wake()
         else:
             self._run_finished()
+            if posted:
+                self.mind(req)
         return req
+
+    def wait(self, req: Request, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``req``; whether it is done (pycoll's own
+        exchanges on the engine: monitored barrier, clocks, stragglers)."""
+        end = time.monotonic() + max(0.0, timeout)
+        if self.local is not None and not req.done.is_set():
+            self.local.drive(req, end)
+        return req.done.wait(max(0.0, end - time.monotonic()))
+
+    def mind(self, req: Request) -> None:
+        """Wake the progress thread if ``req``'s deadline comes before its sleep ends (a
+        request it need not serve otherwise: a local peer's, progressed where it is waited for)."""
+        if req.deadline < self.sleep_until:
+            self._wake()
 
     def _refuse(self, req: Request) -> bool:
         """Finish ``req`` at once (call holding the lock) if it cannot be served: the engine
@@ -162,9 +199,11 @@ class P2PEngine:
             self._thread.join(5)
         half_sent = {p for p, q in self._sends.items() if q and q[0].off}   # no BYE inside a frame
         self._fail_all(PeerClosedError(f"rank {self.rank}: process group destroyed", rank=self.rank))
+        if self.local is not None:
+            self.local.close()   # says goodbye to the local peers before their sockets end
         for p, c in self.conns.items():
             # A goodbye: a peer still watching this connection (a shrink) knows it left, not died.
-            if p not in self._dead and p not in half_sent:
+            if p not in self._dead and p not in half_sent and (self.local is None or p not in self.local.peers):
                 try:
                     c.sock.send(control_frame(BYE, "", self.rank))
                 except OSError:
@@ -188,6 +227,8 @@ class P2PEngine:
             return
         req.error = error
         req.done.set()
+        if req.watched:
+            self.local.unobserve(req)
         if req.on_done is not None:
             self._finished.append(req)
 
@@ -225,10 +266,13 @@ class P2PEngine:
                 poller.register(self._wake_r, select.POLLIN)
                 for p, c in self.conns.items():
                     if p not in self._dead:
-                        poller.register(c.fd, select.POLLIN | (select.POLLOUT if self._sends[p] else 0))
+                        out = self._sends[p] and (self.local is None or p not in self.local.peers)
+                        poller.register(c.fd, select.POLLIN | (select.POLLOUT if out else 0))
                 timeout = self._next_deadline()
-            # Bounded slices: a deadline days away must not overflow poll's int milliseconds.
-            poller.poll(MAX_POLL_S * 1000 if timeout is None else max(0.0, min(timeout, MAX_POLL_S)) * 1000)
+                # Bounded slices: a deadline days away must not overflow poll's int milliseconds.
+                timeout = MAX_POLL_S if timeout is None else max(0.0, min(timeout, MAX_POLL_S))
+                self.sleep_until = time.monotonic() + timeout
+            poller.poll(timeout * 1000)
             try:
                 os.read(self._wake_r, 4096)
             except BlockingIOError:
@@ -238,12 +282,16 @@ class P2PEngine:
                     if p in self._dead:
                         continue
                     try:
+                        if self.local is not None and p in self.local.peers:
+                            self.local.progress(p)
+                            self.local.watch(p)
+                            continue
                         try:
-                            self._progress_send(p)
+                            p2p_stream.progress_send(self, p)
                         except OSError:
-                            self._progress_recv(p)   # the peer may have said why it stopped
+                            p2p_stream.progress_recv(self, p)   # the peer may have said why it stopped
                             raise
-                        self._progress_recv(p)
+                        p2p_stream.progress_recv(self, p)
                     except (OSError, EOFError, CommError) as exc:
                         self._peer_failed(p, exc)
                 self._expire()
@@ -270,89 +318,41 @@ class P2PEngine:
                 if req.off:
                     self._peer_failed(p, EOFError("send timed out mid-frame"))
 
-    def _progress_send(self, p: int) -> None:
-        q, sock = self._sends[p], self.conns[p].sock
-        while q:
-            try:
-                if not write(sock, q[0]):
-                    return
-            except BlockingIOError:
-                return
-            self._finish(q.popleft())
-
-    def _progress_recv(self, p: int) -> None:
-        conn = self.conns[p]
-        while True:
-            inc = self._reading.get(p)
-            if inc is None:
-                what = self._what[p]
-                nxt = next_frame(conn, self.rank, p, what)
-                if nxt is not None:
-                    if nxt.header.kind == DATA:
-                        conn.rpos = nxt.start
-                        self._reading[p] = self._match(p, nxt.header)
-                        continue
-                    # A control frame (the peer stopped, and says why): raise its reason.
-                    reason = control_reason(conn.rbuf, nxt, conn.rend, False)
-                    if reason is not None:
-                        if nxt.header.kind == BYE:
-                            self._left.add(p)
-                        raise control_error(nxt.header, reason, self.rank, p, what)
-                if conn.fill() == 0:
-                    return
-                continue
-            take = min(conn.rend - conn.rpos, len(inc.dest) - inc.off)
-            if take:
-                inc.dest[inc.off:inc.off + take] = conn.rbuf[conn.rpos:conn.rpos + take]
-                conn.rpos += take
-                inc.off += take
-            elif inc.off < len(inc.dest):
-                try:
-                    n = conn.sock.recv_into(inc.dest[inc.off:])
-                except BlockingIOError:
-                    return
-                if n == 0:
-                    raise EOFError
-                inc.off += n
-            if inc.off < len(inc.dest):
-                continue
-            del self._reading[p]
-            if inc.req is not None:
-                inc.req.source = p
-                self._finish(inc.req)
-            elif not inc.discard:
-                # A receive may have been posted while this frame was being read into a
-                # buffer of its own: it takes the frame now instead of waiting forever.
-                req = next((r for r in self._posted if r.peer in (ANY, p) and r.tag == inc.hdr.sig.seq), None)
-                if req is not None:
-                    self._posted.remove(req)
-                    self._complete_recv(req, p, inc.hdr, inc.dest)
-                else:
-                    self._unexpected.append((next(self._order), p, inc.hdr, inc.dest))
-
-    def _match(self, p: int, hdr: Header) -> "Incoming":
-        """Route an arriving frame: into a matching posted receive, or keep it as unexpected."""
-        if hdr.kind != DATA or hdr.sig.op != "p2p":
-            raise ProtocolError(f"rank {self.rank}: non-p2p frame on the p2p channel from rank {p}",
-                                rank=self.rank, peer=p)
-        for req in self._posted:
-            if req.peer in (ANY, p) and req.tag == hdr.sig.seq:
+    def _arrived(self, p: int, inc: Incoming) -> None:
+        """A message from ``p`` is in (call holding the lock): finish its receive, or keep it."""
+        if inc.req is not None:
+            inc.req.source = p
+            self._finish(inc.req)
+        elif not inc.discard:
+            # A receive may have been posted while this frame was being read into a
+            # buffer of its own: it takes the frame now instead of waiting forever.
+            req = next((r for r in self._posted if r.peer in (ANY, p) and r.tag == inc.hdr.tag), None)
+            if req is not None:
                 self._posted.remove(req)
-                if hdr.nbytes == len(req.buf) and hdr.sig.dtype == req.sig.dtype:
-                    return Incoming(req, hdr, req.buf)
-                # Drain the payload, then fail only this request: the stream stays usable.
-                self._finish(req, size_error(self.rank, req, p, hdr))
-                if hdr.nbytes > self.max_unexpected:
-                    raise too_big(self.rank, p, hdr, self._unexpected_bytes, self.max_unexpected)
-                return Incoming(None, hdr, Discard(hdr.nbytes), discard=True)
-        if hdr.nbytes > self.max_unexpected - self._unexpected_bytes:
-            raise too_big(self.rank, p, hdr, self._unexpected_bytes, self.max_unexpected)
-        self._unexpected_bytes += hdr.nbytes
-        return Incoming(None, hdr, memoryview(bytearray(hdr.nbytes)))
+                self._complete_recv(req, p, inc.hdr, inc.dest)
+            else:
+                self._unexpected.append((next(self._order), p, inc.hdr, inc.dest))
 
-    def _complete_recv(self, req: Request, src: int, hdr: Header, data: memoryview) -> None:
-        if hdr.nbytes != len(req.buf) or hdr.sig.dtype != req.sig.dtype:
-            self._finish(req, size_error(self.rank, req, src, hdr))
+    def _match(self, p: int, msg: Message) -> "Incoming":
+        """Route an arriving message: into a matching posted receive, or keep it as unexpected."""
+        for req in self._posted:
+            if req.peer in (ANY, p) and req.tag == msg.tag:
+                self._posted.remove(req)
+                if msg.nbytes == len(req.buf) and msg.dtype == req.sig.dtype:
+                    return Incoming(req, msg, req.buf)
+                # Drain the payload, then fail only this request: the stream stays usable.
+                self._finish(req, size_error(self.rank, req, p, msg))
+                if msg.nbytes > self.max_unexpected:
+                    raise too_big(self.rank, p, msg, self._unexpected_bytes, self.max_unexpected)
+                return Incoming(None, msg, Discard(msg.nbytes), discard=True)
+        if msg.nbytes > self.max_unexpected - self._unexpected_bytes:
+            raise too_big(self.rank, p, msg, self._unexpected_bytes, self.max_unexpected)
+        self._unexpected_bytes += msg.nbytes
+        return Incoming(None, msg, memoryview(bytearray(msg.nbytes)))
+
+    def _complete_recv(self, req: Request, src: int, msg: Message, data: memoryview) -> None:
+        if msg.nbytes != len(req.buf) or msg.dtype != req.sig.dtype:
+            self._finish(req, size_error(self.rank, req, src, msg))
             return
         req.buf[:] = data
         req.source = src
@@ -365,26 +365,21 @@ class P2PEngine:
     def _peer_failed(self, p: int, exc: BaseException) -> None:
         self._dead[p] = "closed the connection (died or aborted)" if isinstance(exc, (EOFError, ConnectionError)) \
             else f"failed: {exc}"
-        if isinstance(exc, ProtocolError) and exc.origin < 0:
-            self._tell_peer(p, exc)
-        self._reading.pop(p, None)
+        if self.local is not None and p in self.local.peers:
+            self.local.failed(p, exc)
+        elif isinstance(exc, ProtocolError) and exc.origin < 0:
+            p2p_stream.tell_peer(self, p, exc)
+        inc = self._reading.pop(p, None)
+        if inc is not None and inc.req is not None:   # a message from p that stopped halfway
+            self._finish(inc.req, self._dead_error(inc.req, p))
+        elif inc is not None and not inc.discard:
+            self._unexpected_bytes -= len(inc.dest)
         for req in list(self._sends[p]):
             self._finish(req, self._dead_error(req, p))
         self._sends[p].clear()
         for req in [r for r in self._posted if r.peer == p]:
             self._posted.remove(req)
             self._finish(req, self._dead_error(req, p))
-
-    def _tell_peer(self, p: int, exc: BaseException) -> None:
-        """This rank stops reading from ``p`` because of what ``p`` sent: say why in an ABORT
-        frame and end the stream, so that ``p`` fails at once instead of at its deadline."""
-        conn, q = self.conns[p], self._sends[p]
-        try:
-            if not (q and q[0].off):   # never inside a half-written frame of our own
-                conn.sock.send(control_frame(ABORT, str(exc), self.rank, type(exc).__name__))
-            conn.sock.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._lock:

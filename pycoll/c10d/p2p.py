@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 
 from pycoll.c10d.monitored import monitored_barrier as _monitored
+from pycoll.c10d.checks import no_write_back
 from pycoll.c10d.plans import Plan
 from pycoll.core import collectives
 from pycoll.core import tags
@@ -38,7 +39,7 @@ def post(comm, plan: Plan, timeout_s: float) -> Work:
         # The engine's thread, holding no lock: pycoll's write-back, then the Work, whose
         # future callbacks (user code) are handed on to where user code may run.
         error = r.error
-        if error is None:
+        if error is None and back is not no_write_back:
             try:
                 with torch.no_grad():
                     back()

@@ -56,6 +56,7 @@ HEADER = struct.Struct("<IiqqQ")                     # magic, dtype, tag, numel,
 MAGIC = 0x50325031                                   # "1P2P"
 RING_TOTAL = 32 << 20    # rings' bytes per rank at most (the pages are touched only when used)
 RING_MAX, RING_MIN = 4 << 20, 64 << 10
+CHUNK = 256 << 10        # bytes copied between two counter updates: the two sides overlap
 
 _fence_lock = threading.Lock()
 
@@ -217,13 +218,13 @@ class Links:
         while free > 0 and req.off < total:
             src = req.header[req.off:] if req.off < hl else req.buf[req.off - hl:]
             pos = sent % m
-            n = min(free, len(src), m - pos)
+            n = min(free, len(src), m - pos, CHUNK)
             ring[pos:pos + n] = src[:n]
             sent += n
             free -= n
             req.off += n
+            mine[SENT + i] = sent   # piece by piece: the reader copies one while this writes the next
         if sent != start:
-            mine[SENT + i] = sent   # after the bytes: the reader sees them once it sees this
             self.notify(peer, req.off < total)
         return req.off == total
 
@@ -261,13 +262,15 @@ class Links:
         at = taken = self.words[self.me][TAKEN + i]
         avail = min(want, self.words[i][SENT + self.me] - taken)
         off = 0
+        mine = self.words[self.me]
         while off < avail:
             pos = at % m
-            n = min(avail - off, m - pos)
+            n = min(avail - off, m - pos, CHUNK)
             if dest is not None:
                 dest[off:off + n] = src[pos:pos + n]
             off += n
             at += n
+            mine[TAKEN + i] = at   # piece by piece: the writer refills while this copies on
         if off:
             self._take(i, at)
         return off

@@ -32,15 +32,18 @@ def _segments_after_init(rank, world):
 
 
 def test_the_segment_has_no_name_and_one_descriptor_per_mapping():
-    """Every rank maps the arena, a memfd: no name in /dev/shm for a crash to leave. Each rank
-    holds one descriptor of it, the one Python's mmap keeps beside its mapping (the creator
-    closed the descriptor it made once all had mapped it), so the memory lives exactly as
-    long as the mappings. (After the group, the harness checks that none is left.)"""
+    """Every rank maps the arena and the point-to-point rings, each a memfd: no name in
+    /dev/shm for a crash to leave. Each rank holds one descriptor of each, the one Python's
+    mmap keeps beside its mapping (the creator closed the descriptor it made once all had
+    mapped it), so the memory lives exactly as long as the mappings. (After the group, the
+    harness checks that none is left.)"""
     res = run_ranks(_segments_after_init, 3, backend="pycoll")
     assert [r[0] for r in res] == ["shm"] * 3
     for rank, (_, held) in enumerate(res):
-        assert any(h.startswith("/memfd:pycoll-arena") for h in held), (rank, held)
-        assert len([h for h in held if h.startswith("fd ")]) == 1, (rank, held)
+        for name in ("arena", "p2p"):
+            assert any(h.startswith(f"/memfd:pycoll-{name}") for h in held), (rank, held)
+            assert len([h for h in held if h.startswith("fd ") and f"pycoll-{name}" in h]) == 1, (rank, held)
+        assert len([h for h in held if h.startswith("fd ")]) == 2, (rank, held)
         assert not [h for h in held if "/dev/shm" in h], (rank, held)
 
 

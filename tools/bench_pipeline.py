@@ -70,7 +70,7 @@ def _block(schedule: str, group, rank: int, world: int, opts: dict) -> tuple[flo
         elif rank == world - 1:
             losses: list = []
             sched.step(target=y, losses=losses)
-            last = float(torch.stack(losses).mean())
+            last = float(torch.stack(losses).detach().mean())
         else:
             sched.step()
         opt.step()

@@ -6,7 +6,7 @@ This module moves bytes and reads and writes the words that describe them; it ne
 (the engine and its callers do).
 
 Layout of the segment (one memfd, ``segment.map_segment``: nothing named, nothing to leak):
-one region per local rank, a 4 KiB page of its words followed by its rings to every local
+one region per local rank, a 64 KiB page of its words followed by its rings to every local
 rank. A ring has one writer (the region's rank) and one reader, and carries the pair's
 messages in posting order, each a 32-byte header (magic, dtype, tag, element count, bytes)
 and its payload; a payload larger than the ring goes through it in pieces as the reader
@@ -46,11 +46,17 @@ from pycoll.shm import futex, segment
 from pycoll.transport.tcp.p2p_requests import Message
 from pycoll.wire import DTYPE_SIZES, DTYPE_WORD, DTYPES
 
-PAGE = 8192
+# A rank's page and every ring are multiples of 64 KiB, and so is the segment: a mapping of
+# another size shifts where the process's later mappings land off 64 KiB boundaries, and the
+# registered heap's unmapping of peers' pages follows the kernel's 64 KiB fault-around
+# windows by offset (pycoll/shm/heap.py), which then no longer match its addresses (seen:
+# test_heap_reuse kept 40-88 pages too many after a point-to-point test in the same process).
+ALIGN = 64 << 10
+PAGE = ALIGN
 MAX_RANKS = 128
 SENT, TAKEN, BLOCKED, BROKEN = 0, 128, 256, 384     # int64 word arrays of a rank's page, by peer
 DOORBELL, DRIVING, SLEEPING, STATE, PID, BELL, WATCHING = 512, 513, 514, 515, 516, 517, 518   # int64 words
-REASON_AT = 5120            # bytes: why this rank first stopped reading a peer (to the page end)
+REASON_AT, REASON_BYTES = 5120, 4096   # why this rank first stopped reading a peer (text)
 OPEN, CLOSED = 0, 1
 HEADER = struct.Struct("<IiqqQ")                     # magic, dtype, tag, numel, nbytes
 MAGIC = 0x50325031                                   # "1P2P"
@@ -70,7 +76,7 @@ def fence() -> None:
 def ring_bytes(size: int) -> int:
     """Each ring's bytes for ``size`` local ranks: 4 MiB for two, less as rings multiply."""
     per = RING_TOTAL // max(1, size - 1)
-    return max(RING_MIN, min(RING_MAX, per)) // 4096 * 4096
+    return max(RING_MIN, min(RING_MAX, per)) // ALIGN * ALIGN
 
 
 def header(tag: int, dtype: str, numel: int, nbytes: int) -> bytes:
@@ -290,13 +296,13 @@ class Links:
         if not self.words[i][BROKEN + self.me]:
             return None
         page = self._pages[i]
-        return bytes(page[REASON_AT:]).split(b"\0", 1)[0].decode("utf-8", "replace")
+        return bytes(page[REASON_AT:REASON_AT + REASON_BYTES]).split(b"\0", 1)[0].decode("utf-8", "replace")
 
     def break_with(self, peer: int, reason: str) -> None:
         """Stop reading ``peer``, and tell it why (the first reason stays)."""
         mine = self.words[self.me]
         if not any(mine[BROKEN + i] for i in range(self.size)):
-            data = reason.encode("utf-8", "replace")[:PAGE - REASON_AT - 1] + b"\0"
+            data = reason.encode("utf-8", "replace")[:REASON_BYTES - 1] + b"\0"
             self._pages[self.me][REASON_AT:REASON_AT + len(data)] = data
         mine[BROKEN + self.local[peer]] = 1   # after the reason: a peer that sees it reads it whole
         self.notify(peer)

@@ -281,3 +281,41 @@ def test_in_a_hierarchical_group_shared_memory_within_a_host_tcp_between_hosts()
     res = run_ranks(_two_hosts, 4, backend="pycoll", env={"PYCOLL_HOST_ID": "a,a,b,b"})
     assert [ok for ok, _ in res] == [[True] * 3] * 4
     assert [over_tcp for _, over_tcp in res] == [[2, 3], [2, 3], [0, 1], [0, 1]]
+
+
+def _shrink_in_flight(rank, world):
+    """Messages in flight when a rank dies and the survivors shrink: the new group's
+    point-to-point works, and of the old group's rings nothing stays mapped or open."""
+    import gc
+
+    dist.barrier()
+    if rank == 2:
+        os._exit(1)
+    pending = [dist.isend(torch.ones(BIG), 1) if rank == 0 else dist.irecv(torch.empty(5), 2, tag=3)]
+    err = None
+    for _ in range(200):
+        try:
+            dist.all_reduce(torch.ones(8))
+        except Exception as exc:  # noqa: BLE001 - the error is what the test reads
+            err = type(exc).__name__
+            break
+        time.sleep(0.01)
+    dist.shrink_group([2])
+    del pending
+    t = torch.full((4,), float(rank))
+    dist.send(t, 1) if rank == 0 else dist.recv(t, 0)
+    gc.collect()
+    rings = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            rings += "pycoll-p2p" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:   # the listing's own descriptor, closed since
+            pass
+    return err, t.tolist(), rings
+
+
+def test_a_shrink_with_messages_in_flight_leaves_no_ring_of_the_old_group():
+    res = run_ranks(_shrink_in_flight, 3, backend="pycoll", timeout=90, may_die=(2,))
+    assert res[2] == "died"
+    for err, got, rings in res[:2]:
+        assert err is not None and got == [0.0] * 4 and rings == 1, res

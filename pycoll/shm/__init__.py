@@ -8,6 +8,8 @@
 - ``heap.py``, ``registered.py``: registered memory (``pycoll.empty_shared``, DDP's buckets),
   where tensors live in the shared segment and collectives work on them in place.
 - ``shared.py``: the public side of registered memory (``empty_shared``, ``shared_scratch``).
+- ``links.py``: point-to-point between the ranks of the host, a ring of bytes per ordered
+  pair that the point-to-point engine reads and writes (``transport/tcp/p2p_local.py``).
 
 ``core/setup.py`` decides when a group runs here (``choose_mode``); across hosts the
 hierarchical mode reduces here, then between host leaders over TCP (``core/collectives.py``).

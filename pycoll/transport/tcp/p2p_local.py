@@ -79,14 +79,12 @@ class Local:
     def drives(self, req: Request) -> bool:
         """Whether a wait on ``req`` should poll the rings itself: a message that is all in
         rings nobody (``links.notify``), so its receive progresses in the calls of its rank."""
-        return bool(self._sources(req)) or (req.kind == "send" and req.peer in self.peers)
+        return bool(self._sources(req))
 
     def poke(self, req: Request) -> None:
         """One look at the rings for ``req`` (``Work.is_completed`` of a request nobody waits on)."""
         with self.e._lock:
-            for p in self.peers:
-                if p not in self.e._dead:
-                    self._step(p)
+            self._step_all()
         self.e._run_finished()
 
     def observe(self, req: Request) -> None:
@@ -97,9 +95,7 @@ class Local:
                 return
             req.watched = True
             self.links.watching(+1)
-            for p in self.peers:   # what came while nobody watched
-                if p not in self.e._dead:
-                    self._step(p)
+            self._step_all()   # what came while nobody watched
         self.e._run_finished()
 
     def unobserve(self, req: Request) -> None:
@@ -124,6 +120,11 @@ class Local:
             self._pull(p)
         except (OSError, EOFError, CommError) as exc:
             self.e._peer_failed(p, exc)
+
+    def _step_all(self) -> None:
+        for p in self.peers:
+            if p not in self.e._dead:
+                self._step(p)
 
     def _push(self, p: int) -> None:
         """Write what the ring to ``p`` takes of the sends queued for it, in order."""
@@ -209,9 +210,7 @@ class Local:
             while True:
                 seen = links.doorbell() if sleeping else 0
                 with e._lock:
-                    for p in self.peers:
-                        if p not in e._dead:
-                            self._step(p)
+                    self._step_all()
                 e._run_finished()
                 if req.done.is_set():
                     break
@@ -232,9 +231,7 @@ class Local:
                 if sleeping:
                     links.sleeping(-1)
                 links.driving(-1)
-                for p in self.peers:   # a peer that saw this thread here did not ring the engine
-                    if p not in e._dead:
-                        self._step(p)
+                self._step_all()   # a peer that saw this thread here did not ring the engine
             e._run_finished()
         if blocked:
             policy.unanswered()

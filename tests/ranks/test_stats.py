@@ -39,7 +39,10 @@ def test_delayed_rank_is_named_straggler(mode, world, late):
     assert [r["op"] for r in recs] == ["all_reduce", "barrier"] * 2 + ["all_reduce"]
     for r in recs:
         assert r["last"] == late and len(r["arrivals"]) == world, format_report(rep)
-        assert 0.7 * DELAY <= r["lateness"] <= DELAY + 0.08, format_report(rep)
+        # The first collective's lateness also holds how far apart the ranks started (a
+        # loaded CI machine once started rank 0 32 ms after rank 2): it is only bounded above.
+        low = 0.7 * DELAY if r["seq"] else 0.0
+        assert low < r["lateness"] <= DELAY + 0.08, format_report(rep)
     summary = rep["ranks"][late]
     assert summary["last"] == N_OPS and 0.7 * DELAY <= summary["mean_lateness"] <= DELAY + 0.08
     assert all(rep["ranks"][r]["last"] == 0 for r in range(world) if r != late)

@@ -10,7 +10,6 @@ Each rank may run in a network namespace (``netns``) with its own listen address
 
 from __future__ import annotations
 
-import ctypes
 import multiprocessing.connection as mpc
 import os
 import signal
@@ -20,18 +19,9 @@ import traceback
 from datetime import timedelta
 
 from pycoll.testing import ranks
+from pycoll.testing.netns import enter
 
 BASE: dict = {}   # in a rank: fds/threads measured after the store, before the group
-
-
-def _setns(name: str) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
-            raise OSError(ctypes.get_errno(), f"setns {name}")
-    finally:
-        os.close(fd)
 
 
 def fd_count() -> int:
@@ -46,7 +36,7 @@ def _child(conn, fn, rank, world, args, env, group_timeout, store_addr, netns) -
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if netns:
-            _setns(netns)
+            enter(netns)
         os.environ.update(env)
         import torch.distributed as dist
 

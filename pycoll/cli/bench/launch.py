@@ -16,6 +16,7 @@ docs/bench.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import json
@@ -30,9 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from pycoll.cli.bench import ref, report
+from pycoll.cli.bench import hosts, ref, report
 from pycoll.cli.bench.collectives import COLLECTIVES, DTYPES, OPS
 from pycoll.cli.bench.load import Busy
+from pycoll.testing import netns
 
 # The folder that holds this pycoll package: the rank processes must import the same one.
 PACKAGE_ROOT = Path(__file__).resolve().parents[3]
@@ -70,7 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backends", type=_csv, default=["pycoll", "gloo"],
                    help="torch.distributed backends, in column order ('mpi' = --mpi on)")
-    p.add_argument("--world-size", "-n", type=int, default=2)
+    p.add_argument("--world-size", "-n", type=int, default=None,
+                   help="ranks (default 2; with --hosts, hosts x ranks per host)")
+    p.add_argument("--hosts", metavar="HxR",
+                   help="emulated hosts: H network namespaces with R ranks each (e.g. 4x1, 2x2), "
+                        "built, joined and removed by the bench (root and `ip netns`)")
+    p.add_argument("--link", metavar="RATE", default="none",
+                   help="with --hosts: every host's link shaped both ways with tc tbf at RATE "
+                        "(100mbit, 1gbit, 10gbit; 'none': unshaped veth)")
     p.add_argument("--collectives", "-c", type=_csv, default=list(COLLECTIVES),
                    help=f"comma-separated subset of: {','.join(COLLECTIVES)} (default: all)")
     p.add_argument("--min-bytes", "-b", type=parse_size, default=8)
@@ -194,6 +203,26 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = build_parser()
     args = p.parse_args(argv)
+    layout = None
+    if args.hosts:
+        try:
+            layout = hosts.parse_hosts(args.hosts)
+            link_rate = None if args.link == "none" else args.link
+            link_bps = netns.rate_bytes_per_s(link_rate) if link_rate else 0.0
+        except ValueError as e:
+            p.error(str(e))
+        if args.world_size not in (None, layout[0] * layout[1]):
+            p.error(f"--world-size {args.world_size} but --hosts {args.hosts} places "
+                    f"{layout[0] * layout[1]} ranks")
+        args.world_size = layout[0] * layout[1]
+        why = netns.unavailable()
+        if why:
+            print(f"bench: --hosts: {why}", file=sys.stderr)
+            return 2
+    elif args.link != "none":
+        p.error("--link shapes the links of --hosts: give --hosts too")
+    if args.world_size is None:
+        args.world_size = 2
     bad = [c for c in args.collectives if c not in COLLECTIVES]
     if bad:
         p.error(f"unknown collective(s) {bad}; choose from {','.join(COLLECTIVES)}")
@@ -215,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.deadline if args.deadline else None
     env, env_notes = _rank_env(args)
     meta_notes += env_notes
+    if layout and mpi_mode != "off":
+        mpi_mode, meta_notes = "off", meta_notes + ["MPI column omitted: not run on emulated hosts"]
     mpi_cmd, mpi_why = (None, "--mpi off") if mpi_mode == "off" else mpi_command(args.world_size)
     from pycoll.cli.bench.backends import MPI_DTYPES
     if mpi_cmd and DTYPES[args.dtype] not in MPI_DTYPES:
@@ -229,7 +260,13 @@ def main(argv: list[str] | None = None) -> int:
 
     reference = ref.measure(args.ref_seconds, args.world_size)  # before the ranks: nothing competes
     docs = []
-    with tempfile.TemporaryDirectory(prefix="pycoll-bench-") as tmp, Busy(args.load) as busy:
+    emulated = netns.EmulatedHosts(layout[0], link_rate) if layout else contextlib.nullcontext()
+    with tempfile.TemporaryDirectory(prefix="pycoll-bench-") as tmp, emulated as made, \
+            Busy(args.load) as busy:
+        if layout:
+            cfg["hosts"] = hosts.placement(made.names, made.addrs, layout[1])
+            meta_notes.append(f"hosts {args.hosts}: {made.describe()}; every socket of the ranks "
+                              "but the Store's runs over them")
         if torch_backends:
             try:
                 docs += run_torch_ranks(cfg, args.world_size, env, deadline)
@@ -243,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
             mpi_docs, mpi_err = run_mpi(mpi_cmd, cfg, args.world_size, tmp, env, deadline)
         docs += mpi_docs
     result = report.merge(docs, args.world_size, order, collectives)
+    if layout and link_bps:
+        for name, entry in result["collectives"].items():
+            for row in entry["rows"]:
+                row["link_bound_us"] = hosts.bound_us(name, row["size"], *layout, link_bps)
     if "mpi" in order and not mpi_docs:
         result["notes"]["mpi"] = mpi_err
     result["meta"] = {
@@ -250,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
         "warmup": args.warmup, "rounds": min(args.rounds, args.iters), "sizes": sizes,
         "timing": args.timing, "backends": order, "argv": argv, "notes": meta_notes,
         "load": args.load, "load_text": busy.describe(),
+        "hosts": list(layout) if layout else None, "link": args.link if layout else None,
+        "link_Bps": link_bps if layout else None,
         "python": platform.python_version(),
         "torch": __import__("torch").__version__, "host": platform.node(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),

@@ -83,8 +83,9 @@ def format_tables(result: dict, order: list[str]) -> str:
             what += ", time = half a ping-pong round trip"
         lines.append(f"# {name}  world {m['world_size']}  {m['dtype']}  op {m['op']}  "
                      f"root 0  {what}")
-        head1 = "#" + " " * 23
-        head2 = f"#{'size(B)':>11} {'count':>11}"
+        bounded = bool(m.get("link_Bps"))
+        head1 = "#" + " " * (35 if bounded else 23)
+        head2 = f"#{'size(B)':>11} {'count':>11}" + (f" {'bound(us)':>11}" if bounded else "")
         for b in order:
             head1 += f" {b:^39}"
             head2 += f" {'time(us)':>11} {'algbw':>8} {'busbw':>8} {'#wrong':>9}"
@@ -94,6 +95,9 @@ def format_tables(result: dict, order: list[str]) -> str:
         lines += [head1.rstrip(), head2]
         for row in entry["rows"]:
             line = f" {row['size']:>11} {row['count']:>11}"
+            if bounded:
+                bound = row.get("link_bound_us")
+                line += f" {_fmt(bound if bound is not None else '-', 11, 1)}"
             for b in order:
                 r = row["results"].get(b)
                 if r is None:
@@ -129,6 +133,15 @@ def format_header(result: dict, order: list[str]) -> str:
              f"interleaved rounds)  warmup {m['warmup']}  timing {m.get('timing', 'each')}",
              "# time: median over iterations of the per-iteration mean over ranks; "
              "GB/s = 1e9 B/s; ratio X/base = time(base)/time(X), > 1: X faster"]
+    if m.get("hosts"):
+        h, r = m["hosts"]
+        link = (f"each host's link shaped to {m['link']} ({m['link_Bps'] / 1e6:.1f} MB/s) each way"
+                if m.get("link_Bps") else "links unshaped (veth)")
+        lines.append(f"# emulated hosts {h}x{r}: {h} network namespaces, {r} rank(s) each; {link}")
+        if m.get("link_Bps"):
+            lines.append("# bound(us): the least time the links allow: what one host's link must "
+                         "carry (all_reduce 2(H-1)/H * S, all_gather/reduce_scatter (H-1)/H * S, "
+                         "broadcast/reduce S) / the link rate")
     if "load_text" in m:
         lines.append(f"# load: {m['load_text']} beside the ranks")
     if ref:

@@ -56,6 +56,9 @@ def rank_main(rank: int, world: int, port: int, cfg: dict) -> dict:
     """Rank ``rank`` of ``world`` around the launcher's Store on ``port``: its records."""
     timeout = timedelta(seconds=cfg["timeout"])
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    if cfg.get("hosts"):   # the Store's socket stays on the launcher's loopback, the rest moves
+        from pycoll.cli.bench.hosts import enter_rank
+        enter_rank(cfg["hosts"], rank)
     # The agreement channel must outlive a backend's timeout, hence the longer deadline.
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout * 3)
     groups, notes = _open_groups(cfg["torch_backends"], timeout)

@@ -13,6 +13,7 @@ the variable, before any communication.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
@@ -29,7 +30,11 @@ class Setting:
 
 
 def _bytes(text: str) -> int:
-    return int(text)
+    """'4194304', '4M', '4MiB', '256K' (binary units, as the bench's sizes)."""
+    m = re.fullmatch(r"(\d+)\s*([KMG]?)(?:I?B)?", text.strip().upper())
+    if not m:
+        raise ValueError(text)
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30}[m.group(2)]
 
 
 TABLE: tuple[Setting, ...] = (

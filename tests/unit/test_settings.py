@@ -96,6 +96,8 @@ def test_values_parse_and_defaults_apply():
     assert settings.get("PYCOLL_TCP_SPIN_US", env) == 250.0
     assert settings.get("PYCOLL_TRANSPORT", env) == "auto"          # blank: the default
     assert settings.get("PYCOLL_SEGMENT_BYTES", {}) == 4 << 20
+    for text, value in (("4M", 4 << 20), ("4MiB", 4 << 20), ("256 KB", 256 << 10), ("1g", 1 << 30)):
+        assert settings.get("PYCOLL_SEGMENT_BYTES", {"PYCOLL_SEGMENT_BYTES": text}) == value
     assert settings.raw("PYCOLL_AUTH_KEY", {"PYCOLL_AUTH_KEY": ""}) == ""   # set, though empty
     assert settings.raw("PYCOLL_AUTH_KEY", {}) is None
 
@@ -108,7 +110,9 @@ def test_the_environment_is_read_at_each_call(monkeypatch):
 
 
 def test_a_bad_value_names_the_variable():
-    with pytest.raises(ValueError, match=r"PYCOLL_SHM_SLOT_BYTES='4M'.*default 4 MiB"):
-        settings.get("PYCOLL_SHM_SLOT_BYTES", {"PYCOLL_SHM_SLOT_BYTES": "4M"})
+    with pytest.raises(ValueError, match=r"PYCOLL_SHM_SLOT_BYTES='4 megs'.*default 4 MiB"):
+        settings.get("PYCOLL_SHM_SLOT_BYTES", {"PYCOLL_SHM_SLOT_BYTES": "4 megs"})
+    with pytest.raises(ValueError, match=r"PYCOLL_SEGMENT_BYTES='-1'"):
+        settings.get("PYCOLL_SEGMENT_BYTES", {"PYCOLL_SEGMENT_BYTES": "-1"})
     with pytest.raises(KeyError):
         settings.get("PYCOLL_NO_SUCH_THING")

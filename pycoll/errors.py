@@ -36,8 +36,8 @@ class CommTimeoutError(CommError, TimeoutError):
 
     def __str__(self) -> str:
         text = super().__str__()
-        if self.timeout_s is None:
-            return text
+        if self.timeout_s is None or "; Timed out waiting " in text:
+            return text   # (a timeout relayed from another rank has its own wording already)
         return f"{text}; Timed out waiting {round(self.timeout_s * 1000)}ms (the op's timeout)"
 
 

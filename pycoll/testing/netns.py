@@ -5,6 +5,7 @@ namespace holding a bridge, and per host a namespace with its own address (10.<n
 on an ``eth0`` that is one end of a veth pair, the other end on the bridge. With a ``rate``,
 both directions of every host's link are shaped with ``tc ... tbf`` (this kernel has tbf and
 htb, not netem): the host's egress on its ``eth0``, its ingress on the switch's end of the pair.
+``shape(h, rate)`` reshapes one host's link and ``link_down(h)`` pulls its cable, mid-run.
 A process enters a host with ``enter(name)`` (``setns``: the calling thread and the threads it
 starts later; sockets opened before stay where they were, which is how the ranks of the bench
 keep their Store connection on the launcher's loopback).
@@ -155,11 +156,6 @@ class EmulatedHosts:
         _ip("netns", "add", name)
         self._made.append(name)
 
-    def _tbf(self, ns: str, dev: str) -> None:
-        subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                        "rate", self.rate, "burst", self.burst, "latency", self.latency],
-                       capture_output=True, text=True, timeout=20, check=True)
-
     def _build(self) -> None:
         _reap_orphans()
         self._netns(self.switch)
@@ -173,9 +169,17 @@ class EmulatedHosts:
             _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
             _ip("-n", ns, "link", "set", "lo", "up")
-            if self.rate:
-                self._tbf(ns, "eth0")            # the host's egress
-                self._tbf(self.switch, port)     # its ingress: the switch's egress toward it
+        if self.rate:
+            for h in range(self.hosts):
+                self.shape(h, self.rate)
+
+    def shape(self, host: int, rate: str) -> None:
+        """Reshape host ``host``'s link, both ways, to ``rate`` (a slow link, mid-run)."""
+        rate_bytes_per_s(rate)
+        for ns, dev in ((self.names[host], "eth0"), (self.switch, self._ports[host])):
+            subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root",
+                            "tbf", "rate", rate, "burst", self.burst, "latency", self.latency],
+                           capture_output=True, text=True, timeout=20, check=True)
 
     def link_down(self, host: int) -> None:
         """Take host ``host``'s link down (a pulled cable): the switch's end of its pair."""

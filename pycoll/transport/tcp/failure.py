@@ -318,6 +318,30 @@ def reset_error(what: str, me: int, them: int, err: OSError) -> PeerClosedError:
     return exc
 
 
+def stuck_elsewhere(exc: CommError, recvs: dict, what: str, me: int, rank_of, waited: float,
+                    budget: float) -> CommTimeoutError | None:
+    """A better account than a relayed timeout, or None. When a peer's timeout reaches this
+    rank (its ABORT) while this rank has spent most of its own step's budget waiting for
+    another peer, the chain leads there: in a ring where rank 2's link is down, rank 1 times
+    out waiting for rank 0, which waits for rank 2; relayed as is, rank 0 would say only
+    that rank 1 gave up on it. A rank that came late (little of its budget waited) relays."""
+    if not isinstance(exc, CommTimeoutError) or exc.root_cause is None or waited < 0.5 * budget:
+        return None
+    sender = exc.peer
+    stuck = {p: st for p, st in recvs.items() if rank_of(p) != sender}
+    if not stuck:
+        return None
+    base = step_timeout({}, stuck, what, me, rank_of)
+    peer = base.peer
+    text = str(base).replace(f"rank {me} timed out waiting for rank {peer}",
+                             f"rank {me} had waited {waited:.1f} s for rank {peer} when rank "
+                             f"{sender} timed out", 1)
+    out = CommTimeoutError(f"{text}; rank {sender}'s reason: {exc.root_cause}",
+                           op=exc.op, seq=exc.seq, rank=me, peer=peer)
+    out.origin, out.root_cause = peer, exc.root_cause
+    return out
+
+
 def step_timeout(sends: dict, recvs: dict, what: str, me: int, rank_of) -> CommTimeoutError:
     """The step's deadline passed: what it still had to receive and send, per peer
     (``rank_of``: a transport rank's group rank)."""

@@ -187,6 +187,7 @@ class TcpTransport(Transport):
                 self._cur = None
         peeked: set[int] = set()
         peer = -1
+        started = time.monotonic()
         spins = self._spins
         if self.spin and (spins is None or spins.full != self.spin):
             spins = self._spins = spinning.SpinPolicy(self.spin, self._life.tasks)
@@ -226,7 +227,12 @@ class TcpTransport(Transport):
                     spins.unanswered()
                 else:
                     spins.answered()
-        except CommError:
+        except CommError as exc:
+            now = time.monotonic()
+            better = failure.stuck_elsewhere(exc, recvs, what, self._life.me, self._rank_of,
+                                             now - started, deadline - started)
+            if better is not None:
+                raise better from None
             raise
         except EOFError:
             conn = self.conns.get(peer)

@@ -9,6 +9,8 @@ cleanly elsewhere. Nothing asserts on times.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import signal
 import subprocess
@@ -68,9 +70,10 @@ def _made_by(pid: int) -> list[str]:
 
 
 @needs_netns
-def test_a_sweep_over_two_hosts_of_two_ranks_prints_the_bound_and_leaves_nothing():
+def test_a_sweep_over_two_hosts_of_two_ranks_prints_the_bound_and_leaves_nothing(tmp_path):
     p = _bench("--hosts", "2x2", "--link", "1gbit", "-c", "all_reduce,all_gather,sendrecv",
-               "-b", "8", "-e", "256K", "-f", "32", "--iters", "3", "--warmup", "1")
+               "-b", "8", "-e", "256K", "-f", "32", "--iters", "3", "--warmup", "1",
+               "--json", str(tmp_path / "run.json"))
     out, _ = p.communicate(timeout=150)
     assert p.returncode == 0, out
     assert "# emulated hosts 2x2" in out and "shaped to 1gbit (125.0 MB/s)" in out, out
@@ -80,6 +83,13 @@ def test_a_sweep_over_two_hosts_of_two_ranks_prints_the_bound_and_leaves_nothing
                if line.split()[:1] == ["262144"] and "2097.2" in line)
     assert row[2] == "2097.2", row
     assert not _made_by(p.pid), netns.ours()
+    doc = json.loads((tmp_path / "run.json").read_text())
+    assert doc["meta"]["hosts"] == [2, 2] and doc["meta"]["link_Bps"] == 125e6
+    assert doc["collectives"]["all_reduce"]["rows"][-1]["link_bound_us"] == pytest.approx(2097.152)
+    if importlib.util.find_spec("matplotlib") is not None:   # the 'plot' extra
+        from tools import plot_hosts
+        assert plot_hosts.main([str(tmp_path / "run.json"), "-o", str(tmp_path / "h.png")]) == 0
+        assert (tmp_path / "h.png").stat().st_size > 0
 
 
 @needs_netns

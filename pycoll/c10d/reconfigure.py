@@ -166,7 +166,8 @@ def run(pg, opts):
     dispatch.attach(pg, backend_devices(torch.version.cuda is not None))   # c10d's copies of rank and size
     if pg._first_rank < 0:
         pg._first_rank = rank
-    old.shutdown()                      # with its goodbyes: the others' watches see no death
+    # With its goodbyes (the others' watches see no death); what is pending fails saying why.
+    old.shutdown(why=f"the group was reconfigured (uuid {uuid}) with this request pending")
     torch_compat.renumbered(pg, size)
     return completed("reconfigure", [])
 
@@ -228,5 +229,5 @@ class Unconfigured:
     def fail(self, exc) -> None:
         pass
 
-    def shutdown(self, abort: bool = False, reason: str = "") -> None:
+    def shutdown(self, abort: bool = False, reason: str = "", why: str = "") -> None:
         pass

@@ -94,7 +94,7 @@ class Communicator:
         self._cv = threading.Condition(self._lock)
         self._running = False
         self._waiting = 0
-        self.state = OPEN
+        self.state, self._why = OPEN, "process group destroyed"   # (_why: pending p2p's end)
         # What this rank runs now (op, seq, start), for snapshot(); every op's (seq, op,
         # start, end), for pycoll.stats (docs/observability.md).
         self.current: tuple[str, int, float] | None = None
@@ -285,7 +285,7 @@ class Communicator:
                 "p2p": self.p2p.pending(), "recorded": dict(self.recorded)}
 
     # -- lifecycle -------------------------------------------------------------------
-    def shutdown(self, abort: bool = False, reason: str = "aborted by the user") -> None:
+    def shutdown(self, abort=False, reason="aborted by the user", why="process group destroyed") -> None:
         """Destroy the group: release sockets, shared memory and threads. Idempotent.
 
         Queued and running ops finish as on gloo, and the destroy does not wait for them
@@ -293,8 +293,9 @@ class Communicator:
         waiting for a late peer) goes on within its own deadline, completing or failing
         with a timeout that names the peer, and the thread that ends the last op releases
         the group. With ``abort``, ops are failed with ``reason`` at once and released
-        with them.
+        with them. Point-to-point requests still pending are failed with ``why``.
         """
+        self._why = why
         with self._cv:
             if self.state is not OPEN:
                 return
@@ -340,7 +341,7 @@ class Communicator:
                 self.observers.closing(self, abort)
             except Exception:  # noqa: BLE001 - an observer must not stop the release
                 log.exception("pycoll rank %d: an observer failed at destroy", self.rank)
-        self.p2p.close()
+        self.p2p.close(self._why)
         self.transport.close()
         if self.arena is not None:
             self.arena.close()

@@ -153,6 +153,66 @@ def test_eight_generations_of_shrink_and_grow_leave_nothing_behind():
         assert rss[-1] - rss[1] <= 5 << 20, [r >> 20 for r in rss]
 
 
+def _p2p_rings() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += "pycoll-p2p" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:   # the listing's own descriptor, closed since
+            pass
+    return n
+
+
+def _reconfigure_with_p2p_in_flight(rank, world):
+    """Ranks 0 and 1 each wait for a message the other never sends, and rank 0 streams 9 MiB
+    (more than a ring) to rank 1, when 0 and 1 reconfigure without 2: the receives fail
+    naming the reconfigure, the new group's point-to-point works, and of the old group's
+    rings nothing stays mapped or open."""
+    store = rc.init(rank, world, timeout=20, enable_reconfigure=True)
+    dist._reconfigure(1, rc.meet(store, "r1", rank, [0, 1, 2]))
+    dist.barrier()
+    if rank == 2:                            # leaves once the others have moved on
+        rc.all_reach(store, "moved", 3)
+        dist.destroy_process_group()
+        return None
+    other = 1 - rank
+    waits = [dist.irecv(torch.empty(4), other, tag=9)]
+    sends = [dist.isend(torch.ones(9 << 18), 1)] if rank == 0 else []
+    time.sleep(0.2)                          # the stream is under way
+    before = _p2p_rings()
+    dist._reconfigure(2, rc.meet(store, "r2", rank, [0, 1]))
+    rc.all_reach(store, "moved", 3)
+    errors = []
+    for w in waits + sends:
+        try:
+            w.wait()
+            errors.append(None)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            errors.append(f"{type(exc).__name__}: {exc}")
+    del waits, sends
+    t = torch.full((3,), float(rank))
+    dist.send(t, 1) if rank == 0 else dist.recv(t, 0)
+    gc.collect()
+    after = _p2p_rings()
+    dist.destroy_process_group()
+    return before, after, errors, t.tolist(), len(memfd_maps())
+
+
+def test_a_reconfigure_with_point_to_point_in_flight_leaves_no_ring_of_the_old_group():
+    res = run_ranks(_reconfigure_with_p2p_in_flight, 3, timeout=90)
+    for before, after, errors, got, maps in res[:2]:
+        assert before == 1 and after == 1, res       # the old segment closed, the new one open
+        # the receive nobody sent to fails saying why: this rank's old group was reconfigured,
+        # or (whichever closed first) the peer left it
+        said = ("the group was reconfigured (uuid 2)", "destroyed its process group (it left)")
+        assert errors[0] and any(w in errors[0] for w in said), res
+        # the 9 MiB send: taken in whole by rank 1's engine as an unexpected message (within
+        # PYCOLL_MAX_UNEXPECTED_BYTES), or failed the same way; never left hanging
+        assert all(e is None or any(w in e for w in said) for e in errors[1:]), res
+        assert got == [0.0] * 3, res
+        assert maps == 0, res
+
+
 def _reuse_by_a_newcomer(rank, world):
     """Processes 0 and 1 used uuid 1; process 2, which never did, is handed it too."""
     store = rc.init(rank, world if rank < 2 else 3, timeout=20, enable_reconfigure=True)

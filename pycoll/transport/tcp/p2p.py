@@ -189,7 +189,8 @@ class P2PEngine:
         shrink's watch: a peer that destroyed its group cleanly is not among them)."""
         return {p: why for p, why in self._dead.items() if p not in self._left}
 
-    def close(self) -> None:
+    def close(self, reason: str = "process group destroyed") -> None:
+        """Fail what is pending with ``reason``, say goodbye, release everything."""
         with self._lock:
             if self._closed:
                 return
@@ -198,7 +199,7 @@ class P2PEngine:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(5)
         half_sent = {p for p, q in self._sends.items() if q and q[0].off}   # no BYE inside a frame
-        self._fail_all(PeerClosedError(f"rank {self.rank}: process group destroyed", rank=self.rank))
+        self._fail_all(PeerClosedError(f"rank {self.rank}: {reason}", rank=self.rank))
         if self.local is not None:
             self.local.close()   # says goodbye to the local peers before their sockets end
         for p, c in self.conns.items():
@@ -363,8 +364,11 @@ class P2PEngine:
                                f"{self._dead[peer]}", op=req.kind, seq=req.tag, rank=self.rank, peer=peer)
 
     def _peer_failed(self, p: int, exc: BaseException) -> None:
-        self._dead[p] = "closed the connection (died or aborted)" if isinstance(exc, (EOFError, ConnectionError)) \
-            else f"failed: {exc}"
+        if isinstance(exc, (EOFError, ConnectionError)):
+            self._dead[p] = ("destroyed its process group (it left)" if p in self._left
+                             else "closed the connection (died or aborted)")
+        else:
+            self._dead[p] = f"failed: {exc}"
         if self.local is not None and p in self.local.peers:
             self.local.failed(p, exc)
         elif isinstance(exc, ProtocolError) and exc.origin < 0:

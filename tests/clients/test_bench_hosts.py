@@ -24,7 +24,10 @@ from pycoll.cli.bench import hosts
 from pycoll.testing import netns
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(300)
+# A bench on torch 2.15 took over 60 s to build its hosts once in CI (its first import of
+# torch's 5 GB of CUDA libraries, read cold): the waits allow for it.
+START = 150
 needs_netns = pytest.mark.skipif(bool(netns.unavailable()), reason=str(netns.unavailable()))
 
 
@@ -59,14 +62,46 @@ def test_placement_puts_consecutive_ranks_on_a_host():
     assert {e["PYCOLL_SOCKET_ADDR"] for e in cfg["env"][2:]} == {"10.1.0.2"}
 
 
-def _bench(*args, **kw):
+def _bench(*args, log=None):
+    """The bench as a subprocess; its output to ``log`` (a file: no pipe that could fill
+    while nobody reads it), else to a pipe."""
+    out = open(log, "w") if log else subprocess.PIPE
     return subprocess.Popen([sys.executable, "-m", "pycoll", "bench", "--ref-seconds", "0",
                              "--no-progress", *args], cwd=REPO, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, **kw)
+                            stdout=out, stderr=subprocess.STDOUT)
+
+
+def _hosts_of(p, log) -> list[str]:
+    """Wait until the bench ``p`` has built its hosts (the switch comes first, the hosts after
+    it); their names."""
+    deadline = time.monotonic() + START
+    while len(_made_by(p.pid)) < 3 and time.monotonic() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    made = _made_by(p.pid)
+    assert made, f"the bench built no hosts in {START} s (exit {p.poll()}): {open(log).read()[-3000:]}"
+    return made
 
 
 def _made_by(pid: int) -> list[str]:
-    return [n for n in netns.ours() if n.startswith(f"{netns.PREFIX}{pid}")]
+    """The hosts and switch bench ``pid`` made (not its short-lived probe: ``unavailable()``)."""
+    return [n for n in netns.ours() if n.startswith(f"{netns.PREFIX}{pid}") and not n.endswith("probe")]
+
+
+def _stop(p) -> None:
+    """Whatever happened in the test: the bench and its ranks end (their hosts then go)."""
+    if p.poll() is None:
+        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        p.terminate()
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(timeout=30)
+        for c in kids:
+            try:
+                os.kill(int(c), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @needs_netns
@@ -74,7 +109,10 @@ def test_a_sweep_over_two_hosts_of_two_ranks_prints_the_bound_and_leaves_nothing
     p = _bench("--hosts", "2x2", "--link", "1gbit", "-c", "all_reduce,all_gather,sendrecv",
                "-b", "8", "-e", "256K", "-f", "32", "--iters", "3", "--warmup", "1",
                "--json", str(tmp_path / "run.json"))
-    out, _ = p.communicate(timeout=150)
+    try:
+        out, _ = p.communicate(timeout=START + 60)
+    finally:
+        _stop(p)
     assert p.returncode == 0, out
     assert "# emulated hosts 2x2" in out and "shaped to 1gbit (125.0 MB/s)" in out, out
     assert "bound(us)" in out and "#wrong total: 0 OK" in out, out
@@ -93,17 +131,19 @@ def test_a_sweep_over_two_hosts_of_two_ranks_prints_the_bound_and_leaves_nothing
 
 
 @needs_netns
-def test_an_interrupted_bench_removes_its_hosts_and_its_ranks():
+def test_an_interrupted_bench_removes_its_hosts_and_its_ranks(tmp_path):
+    log = tmp_path / "bench.log"
     p = _bench("--hosts", "2x1", "--link", "100mbit", "-c", "all_reduce", "-b", "16M", "-e", "16M",
-               "--iters", "50")
-    deadline = time.monotonic() + 60
-    while not _made_by(p.pid) and time.monotonic() < deadline and p.poll() is None:
-        time.sleep(0.1)
-    assert _made_by(p.pid), "the bench never built its hosts"
-    time.sleep(3)                      # the ranks are up and moving 16 MiB at 12.5 MB/s
-    children = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
-    p.send_signal(signal.SIGINT)
-    out, _ = p.communicate(timeout=60)
+               "--iters", "50", log=log)
+    try:
+        _hosts_of(p, log)
+        time.sleep(3)                  # the ranks are up and moving 16 MiB at 12.5 MB/s
+        children = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=60)
+    finally:
+        _stop(p)
+    out = log.read_text()
     assert not _made_by(p.pid), (netns.ours(), out)
     time.sleep(1)
     alive = [c for c in children if os.path.exists(f"/proc/{c}")
@@ -112,21 +152,22 @@ def test_an_interrupted_bench_removes_its_hosts_and_its_ranks():
 
 
 @needs_netns
-def test_the_namespaces_of_a_killed_bench_are_removed_by_the_next_one():
-    p = _bench("--hosts", "2x1", "-c", "barrier", "--iters", "1000")
-    deadline = time.monotonic() + 60
-    while not _made_by(p.pid) and time.monotonic() < deadline and p.poll() is None:
-        time.sleep(0.1)
-    assert _made_by(p.pid)
+def test_the_namespaces_of_a_killed_bench_are_removed_by_the_next_one(tmp_path):
+    log = tmp_path / "bench.log"
+    p = _bench("--hosts", "2x1", "-c", "barrier", "--iters", "1000", log=log)
+    try:
+        _hosts_of(p, log)
+    except BaseException:
+        _stop(p)
+        raise
     children = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
     p.kill()
-    for c in children:                 # the orphaned ranks (they hold its stdout): this test's to reap
+    for c in children:                 # the orphaned ranks: this test's to reap
         try:
             os.kill(int(c), signal.SIGKILL)
         except ProcessLookupError:
             pass
     p.wait(timeout=30)
-    p.stdout.close()
     assert _made_by(p.pid)             # SIGKILL: nothing could run
     with netns.EmulatedHosts(1):
         pass

@@ -87,10 +87,19 @@ def _made_by(pid: int) -> list[str]:
     return [n for n in netns.ours() if n.startswith(f"{netns.PREFIX}{pid}") and not n.endswith("probe")]
 
 
+def _ranks_of(p) -> list[str]:
+    """The bench's children: its ranks and multiprocessing's resource tracker."""
+    return subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+
+
+def _semaphores() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sem.mp-")}
+
+
 def _stop(p) -> None:
     """Whatever happened in the test: the bench and its ranks end (their hosts then go)."""
     if p.poll() is None:
-        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        kids = _ranks_of(p)
         p.terminate()
         try:
             p.wait(timeout=30)
@@ -154,13 +163,14 @@ def test_an_interrupted_bench_removes_its_hosts_and_its_ranks(tmp_path):
 @needs_netns
 def test_the_namespaces_of_a_killed_bench_are_removed_by_the_next_one(tmp_path):
     log = tmp_path / "bench.log"
+    sems = _semaphores()
     p = _bench("--hosts", "2x1", "-c", "barrier", "--iters", "1000", log=log)
     try:
         _hosts_of(p, log)
     except BaseException:
         _stop(p)
         raise
-    children = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+    children = _ranks_of(p)
     p.kill()
     for c in children:                 # the orphaned ranks: this test's to reap
         try:
@@ -168,6 +178,10 @@ def test_the_namespaces_of_a_killed_bench_are_removed_by_the_next_one(tmp_path):
         except ProcessLookupError:
             pass
     p.wait(timeout=30)
+    # A SIGKILL leaves the named semaphores of the bench's queues (its resource tracker, which
+    # would unlink them, went with it): this test made them, this test removes them.
+    for name in _semaphores() - sems:
+        os.unlink(f"/dev/shm/{name}")
     assert _made_by(p.pid)             # SIGKILL: nothing could run
     with netns.EmulatedHosts(1):
         pass

@@ -88,7 +88,9 @@ def _made_by(pid: int) -> list[str]:
 
 
 def _ranks_of(p) -> list[str]:
-    """The bench's children: its ranks and multiprocessing's resource tracker."""
+    """The bench's children: its ranks and multiprocessing's resource tracker. The bench is
+    stopped (SIGSTOP) first, so that none is started after the list is taken."""
+    p.send_signal(signal.SIGSTOP)
     return subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
 
 
@@ -97,20 +99,21 @@ def _semaphores() -> set[str]:
 
 
 def _stop(p) -> None:
-    """Whatever happened in the test: the bench and its ranks end (their hosts then go)."""
+    """Whatever happened in the test: the bench's ranks are killed, then the bench is told
+    to stop (SIGTERM: it removes its hosts on the way out)."""
     if p.poll() is None:
-        kids = _ranks_of(p)
+        for c in _ranks_of(p):
+            try:
+                os.kill(int(c), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.send_signal(signal.SIGCONT)
         p.terminate()
         try:
             p.wait(timeout=30)
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait(timeout=30)
-        for c in kids:
-            try:
-                os.kill(int(c), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
 
 @needs_netns

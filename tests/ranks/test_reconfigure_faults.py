@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from pycoll import torch_compat
-from pycoll.testing.ranks import memfd_maps, run_ranks
+from pycoll.testing.ranks import memfd_fds, memfd_maps, run_ranks
 from tests.support import reconfigure as rc
 
 pytestmark = [pytest.mark.timeout(180),
@@ -153,16 +153,6 @@ def test_eight_generations_of_shrink_and_grow_leave_nothing_behind():
         assert rss[-1] - rss[1] <= 5 << 20, [r >> 20 for r in rss]
 
 
-def _p2p_rings() -> int:
-    n = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            n += "pycoll-p2p" in os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:   # the listing's own descriptor, closed since
-            pass
-    return n
-
-
 def _reconfigure_with_p2p_in_flight(rank, world):
     """Ranks 0 and 1 each wait for a message the other never sends, and rank 0 streams 9 MiB
     (more than a ring) to rank 1, when 0 and 1 reconfigure without 2: the receives fail
@@ -179,7 +169,7 @@ def _reconfigure_with_p2p_in_flight(rank, world):
     waits = [dist.irecv(torch.empty(4), other, tag=9)]
     sends = [dist.isend(torch.ones(9 << 18), 1)] if rank == 0 else []
     time.sleep(0.2)                          # the stream is under way
-    before = _p2p_rings()
+    before = len(memfd_fds("pycoll-p2p"))
     dist._reconfigure(2, rc.meet(store, "r2", rank, [0, 1]))
     rc.all_reach(store, "moved", 3)
     errors = []
@@ -193,7 +183,7 @@ def _reconfigure_with_p2p_in_flight(rank, world):
     t = torch.full((3,), float(rank))
     dist.send(t, 1) if rank == 0 else dist.recv(t, 0)
     gc.collect()
-    after = _p2p_rings()
+    after = len(memfd_fds("pycoll-p2p"))
     dist.destroy_process_group()
     return before, after, errors, t.tolist(), len(memfd_maps())
 
